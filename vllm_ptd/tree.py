@@ -1,0 +1,147 @@
+"""Packed token trees: the one representation every part of the project shares.
+
+A request's tree hangs under its *root*, the last committed token (which is not a node).
+Nodes are numbered parents-first, so any prefix of a request's nodes is itself a valid tree:
+the scheduler may cut a request's speculative tokens short and the cut tree stays whole.
+
+Inside one request's nodes the first ``num_verify`` are *candidate* nodes (verified this
+step, their ancestors are candidate nodes too) and the rest are *draft* nodes (they only
+draft: their outputs grow the next tree and are never accepted).
+
+``causal_from`` marks where the rows stop needing a tree mask: nodes at index >= causal_from
+may attend causally to every earlier row of the request (root, candidates, earlier draft
+nodes). Draft rows are never accepted, so what they see changes only drafting quality, never
+the output; on CPU the causal rows are computed by vLLM's own attention op for free.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class FlatTree:
+    """One request's tree. ``parents[i] == -1`` means node i is a child of the root."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    num_verify: int = -1  # -1: every node is verified
+    causal_from: int = -1  # -1: no causal tail, every node uses the tree mask
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError(f"tokens ({len(self.tokens)}) and parents ({len(self.parents)}) differ in length")
+        n = len(self.tokens)
+        if self.num_verify < 0 or self.num_verify > n:
+            self.num_verify = n
+        if self.causal_from < 0 or self.causal_from > n:
+            self.causal_from = n
+        if self.causal_from < self.num_verify:
+            raise ValueError("causal_from must not cut into the verified nodes")
+        for i, p in enumerate(self.parents):
+            if not -1 <= p < i:
+                raise ValueError(f"node {i} has parent {p}: parents must come before children")
+            if i < self.num_verify and p >= self.num_verify:
+                raise ValueError(f"verified node {i} hangs under draft node {p}")
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.tokens)
+
+    def depths(self) -> list[int]:
+        """Depth of each node; children of the root have depth 1."""
+        d: list[int] = []
+        for p in self.parents:
+            d.append(1 if p < 0 else d[p] + 1)
+        return d
+
+    def truncated(self, n: int) -> "FlatTree":
+        """The first n nodes (still a valid tree, parents come first)."""
+        n = max(0, min(n, self.num_nodes))
+        return FlatTree(list(self.tokens[:n]), list(self.parents[:n]),
+                        min(self.num_verify, n), min(self.causal_from, n))
+
+    def verify_part(self) -> "FlatTree":
+        return self.truncated(self.num_verify)
+
+    def children(self) -> list[list[int]]:
+        """children[i + 1] lists node i's children; children[0] the root's."""
+        ch: list[list[int]] = [[] for _ in range(self.num_nodes + 1)]
+        for i, p in enumerate(self.parents):
+            ch[p + 1].append(i)
+        return ch
+
+    def path_to(self, i: int) -> list[int]:
+        """Node indices from the root's child down to node i."""
+        path = []
+        while i >= 0:
+            path.append(i)
+            i = self.parents[i]
+        return path[::-1]
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[n+1, n+1] bool, row r may see column c. Row/col 0 is the root; node i is i+1.
+
+        Nodes below ``causal_from`` see the root and their ancestors; causal-tail nodes see
+        every earlier row."""
+        n = self.num_nodes
+        m = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        m[0, 0] = True
+        for i, p in enumerate(self.parents):
+            r = i + 1
+            if i >= self.causal_from:
+                m[r, : r + 1] = True
+            else:
+                m[r] = m[p + 1]
+                m[r, r] = True
+        return m
+
+
+@dataclass
+class TreeBatch:
+    """A batch of trees packed as tensors (the kernels' input).
+
+    Node arrays are concatenated over requests; ``offsets[b]:offsets[b+1]`` are request b's
+    nodes. ``parents`` are local indices (-1 = root) as in FlatTree."""
+
+    tokens: torch.Tensor  # [N] int64
+    parents: torch.Tensor  # [N] int32, local index, -1 = root
+    depths: torch.Tensor  # [N] int32, root children = 1
+    offsets: torch.Tensor  # [B+1] int32
+    num_verify: torch.Tensor  # [B] int32
+    causal_from: torch.Tensor  # [B] int32
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.offsets.numel()) - 1
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.numel())
+
+    @staticmethod
+    def from_trees(trees: list[FlatTree], device: str | torch.device = "cpu") -> "TreeBatch":
+        tokens: list[int] = []
+        parents: list[int] = []
+        depths: list[int] = []
+        offsets = [0]
+        for t in trees:
+            tokens += t.tokens
+            parents += t.parents
+            depths += t.depths()
+            offsets.append(offsets[-1] + t.num_nodes)
+        i32 = dict(dtype=torch.int32, device=device)
+        return TreeBatch(
+            tokens=torch.tensor(tokens, dtype=torch.int64, device=device),
+            parents=torch.tensor(parents, **i32),
+            depths=torch.tensor(depths, **i32),
+            offsets=torch.tensor(offsets, **i32),
+            num_verify=torch.tensor([t.num_verify for t in trees], **i32),
+            causal_from=torch.tensor([t.causal_from for t in trees], **i32),
+        )
+
+    def tree(self, b: int) -> FlatTree:
+        s, e = int(self.offsets[b]), int(self.offsets[b + 1])
+        return FlatTree(self.tokens[s:e].tolist(), self.parents[s:e].tolist(),
+                        int(self.num_verify[b]), int(self.causal_from[b]))
