@@ -1,0 +1,229 @@
+"""Tree verification: which nodes of a proposed tree the target accepts, and the bonus token.
+
+Only a request's first ``tree.num_verify`` nodes (the candidate tree) can be accepted; draft
+nodes ride along in the same forward for drafting and are never part of the accepted path.
+
+Greedy (paper 3.2): from the root, follow the child whose token is the target's argmax at the
+current node; the committed tokens are the accepted tokens plus the argmax at the last
+accepted node (the bonus). Among duplicate sibling tokens the lowest index wins, in both the
+per-request walk and the batched one, so the two agree exactly.
+
+Sampling (paper App. E, proof App. F): at node v with children c1..cm the walk draws
+r ~ U(0,1) per child and accepts the first child with r < P(ci), where P is v's target
+distribution with every rejected token zeroed and the rest renormalised; if no child is
+accepted the bonus is drawn from that residual distribution. Each token (inside the tree or
+not) is then committed with exactly its target probability.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from vllm_ptd.tree import FlatTree, TreeBatch
+
+# A child whose token holds all the remaining mass (up to float64 rounding) is accepted
+# outright: the exact walk accepts it with probability 1, while rounding could make
+# r < P(c) fail and leave a residual of pure rounding noise to sample the bonus from.
+_RESIDUAL_EPS = 1e-12
+
+
+def greedy_walk(tree: FlatTree, root_argmax: int,
+                node_argmax: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Greedy acceptance on one tree.
+
+    ``node_argmax[i]`` is the target's argmax at node i's row (only the verify nodes' entries
+    are read). Returns (accepted node indices root-to-leaf, committed tokens)."""
+    nv = tree.num_verify
+    toks, parents = tree.tokens, tree.parents
+    # children lists of the verify part only, in index order (lowest index first)
+    kids: dict[int, list[int]] = {}
+    for i in range(nv):
+        kids.setdefault(parents[i], []).append(i)
+    accepted: list[int] = []
+    cur, want = -1, int(root_argmax)
+    while True:
+        nxt = -1
+        for c in kids.get(cur, ()):
+            if toks[c] == want:
+                nxt = c
+                break
+        if nxt < 0:
+            break
+        accepted.append(nxt)
+        cur, want = nxt, int(node_argmax[nxt])
+    committed = [toks[i] for i in accepted]
+    committed.append(want)
+    return accepted, committed
+
+
+def greedy_walk_batch(batch: TreeBatch, argmax: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy acceptance on a packed batch, vectorised over nodes (one loop over depth).
+
+    ``argmax``: [N + B] target argmax over packed rows; request b owns rows
+    ``offsets[b] + b`` (its root) then one row per node. Returns
+
+    * ``num_accepted`` [B] int64: accepted node count k_b,
+    * ``accepted`` [B, D] int64: local node indices root-to-leaf, padded with -1,
+    * ``committed`` [B, D + 1] int64: accepted tokens then the bonus, padded with -1,
+
+    with D the deepest verify node in the batch (0 if none). ``batch_walk_lists`` turns this
+    into ``greedy_walk``'s per-request lists."""
+    dev = argmax.device
+    B, N = batch.batch_size, batch.num_nodes
+    offsets = batch.offsets.to(dev, torch.int64)
+    counts = offsets[1:] - offsets[:-1]
+    req = torch.repeat_interleave(torch.arange(B, device=dev), counts)  # [N]
+    gidx = torch.arange(N, device=dev)
+    local = gidx - offsets[req]
+    parents = batch.parents.to(dev, torch.int64)
+    depths = batch.depths.to(dev, torch.int64)
+    tokens = batch.tokens.to(dev, torch.int64)
+    argmax = argmax.to(torch.int64)
+    root_row = offsets[:-1] + torch.arange(B, device=dev)
+    # a node's parent row: its request's root row, or the parent's node row
+    parent_row = torch.where(parents < 0, root_row[req], offsets[req] + parents + req + 1)
+    eligible = local < batch.num_verify.to(dev, torch.int64)[req]
+    match = eligible & (tokens == argmax[parent_row])
+    parent_g = torch.where(parents < 0, torch.full_like(parents, -1), offsets[req] + parents)
+
+    depth_max = int(depths[eligible].max()) if bool(eligible.any()) else 0
+    cur = torch.full((B,), -1, dtype=torch.int64, device=dev)  # accepted global node, -1 = root
+    num_acc = torch.zeros(B, dtype=torch.int64, device=dev)
+    accepted = torch.full((B, depth_max), -1, dtype=torch.int64, device=dev)
+    committed = torch.full((B, depth_max + 1), -1, dtype=torch.int64, device=dev)
+    for d in range(1, depth_max + 1):
+        # a level-d node continues the path iff it matches and hangs under the node accepted
+        # at level d-1; the lowest global index among them is the lowest sibling index
+        cand = match & (depths == d) & (parent_g == cur[req])
+        pick = torch.full((B,), N, dtype=torch.int64, device=dev)
+        pick.scatter_reduce_(0, req[cand], gidx[cand], reduce="amin")
+        found = pick < N
+        if not bool(found.any()):
+            break
+        safe = torch.where(found, pick, torch.zeros_like(pick))
+        accepted[:, d - 1] = torch.where(found, local[safe], accepted[:, d - 1])
+        committed[:, d - 1] = torch.where(found, tokens[safe], committed[:, d - 1])
+        cur = torch.where(found, pick, cur)
+        num_acc += found.to(torch.int64)
+    bonus_row = torch.where(cur < 0, root_row, cur + torch.arange(B, device=dev) + 1)
+    committed.scatter_(1, num_acc.unsqueeze(1), argmax[bonus_row].unsqueeze(1))
+    return num_acc, accepted, committed
+
+
+def batch_walk_lists(num_accepted: torch.Tensor, accepted: torch.Tensor,
+                     committed: torch.Tensor) -> list[tuple[list[int], list[int]]]:
+    """``greedy_walk_batch``'s tensors as per-request (accepted, committed) lists."""
+    ks = num_accepted.tolist()
+    acc = accepted.tolist()
+    com = committed.tolist()
+    return [(acc[b][:k], com[b][:k + 1]) for b, k in enumerate(ks)]
+
+
+def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
+                 top_k: int = -1) -> torch.Tensor:
+    """The target's sampling distribution for each row of ``logits`` ([R, V] or [V]).
+
+    Order as in vLLM: divide by the temperature, then keep the top-k logits (ties with the
+    k-th value are kept too, so no arbitrary tie break changes the distribution), then keep
+    the smallest most-probable set whose mass reaches ``top_p`` (the token that crosses the
+    threshold is kept), then renormalise. Returns float32 probabilities."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k == 0 or top_k < -1:
+        raise ValueError(f"top_k must be -1 (off) or >= 1, got {top_k}")
+    x = logits.float() / float(temperature)
+    squeeze = x.dim() == 1
+    if squeeze:
+        x = x.unsqueeze(0)
+    V = x.shape[-1]
+    if 0 < top_k < V:
+        kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if top_p < 1.0:
+        sp, si = torch.sort(probs, dim=-1, descending=True)
+        mass_before = torch.cumsum(sp, dim=-1) - sp
+        drop_sorted = mass_before >= top_p
+        drop_sorted[:, 0] = False  # the most probable token always stays
+        drop = torch.zeros_like(drop_sorted).scatter_(1, si, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs.squeeze(0) if squeeze else probs
+
+
+def _uniform(generator: torch.Generator | None) -> float:
+    dev = generator.device if generator is not None else "cpu"
+    return float(torch.rand((), generator=generator, device=dev))
+
+
+def sampling_walk(tree: FlatTree, probs: torch.Tensor,
+                  generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
+    """Lossless sampling acceptance on one tree (paper App. E).
+
+    ``probs``: [1 + num_verify, V] (more rows are allowed and ignored) target probabilities,
+    row 0 the root, row i + 1 node i (see ``target_probs``). Returns (accepted node indices
+    root-to-leaf, committed tokens = accepted tokens + bonus).
+
+    A child whose token was already rejected at this node (a duplicate sibling) has residual
+    probability 0 and is rejected without drawing. If a probability row carries no mass at
+    all (all-zero or NaN input) the bonus falls back to the row's argmax so the walk never
+    fails; with a proper distribution the residual always keeps mass (see _RESIDUAL_EPS)."""
+    nv = tree.num_verify
+    if probs.shape[0] < 1 + nv:
+        raise ValueError(f"probs has {probs.shape[0]} rows, the tree needs 1 + {nv}")
+    toks, parents = tree.tokens, tree.parents
+    kids: dict[int, list[int]] = {}
+    for i in range(nv):
+        kids.setdefault(parents[i], []).append(i)
+    accepted: list[int] = []
+    cur = -1
+    while True:
+        row = probs[cur + 1]
+        children = kids.get(cur, ())
+        rejected: list[int] = []
+        nxt = -1
+        if children:
+            # Only the children's probabilities and the running residual mass are needed
+            # until the bonus is drawn, so one small gather replaces V-wide renormalising.
+            child_p = row[torch.tensor([toks[c] for c in children], device=row.device)]
+            child_p = child_p.double().tolist()
+            total = float(row.double().sum())
+            residual = total
+            seen: set[int] = set()
+            for c, p in zip(children, child_p):
+                t = toks[c]
+                if t in seen or not p > 0.0:
+                    continue  # already rejected here (P = 0) or outside the support
+                rest = residual - p
+                if rest <= _RESIDUAL_EPS * total or _uniform(generator) < p / residual:
+                    nxt = c
+                    break
+                seen.add(t)
+                rejected.append(t)
+                residual = rest
+        if nxt >= 0:
+            accepted.append(nxt)
+            cur = nxt
+            continue
+        bonus = _sample_residual(row, rejected, generator)
+        committed = [toks[i] for i in accepted]
+        committed.append(bonus)
+        return accepted, committed
+
+
+def _sample_residual(row: torch.Tensor, rejected: list[int],
+                     generator: torch.Generator | None) -> int:
+    p = row.double()
+    if rejected:
+        p = p.clone()
+        p[torch.tensor(rejected, device=p.device)] = 0.0
+    s = float(p.sum())
+    if not s > 0.0:  # nothing left (degenerate input): the row's own most likely token
+        return int(torch.argmax(torch.nan_to_num(row.float(), nan=-1.0)))
+    if generator is not None and generator.device != p.device:
+        p = p.to(generator.device)
+    return int(torch.multinomial(p, 1, generator=generator))
