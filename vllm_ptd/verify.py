@@ -155,11 +155,6 @@ def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
     return probs.squeeze(0) if squeeze else probs
 
 
-def _uniform(generator: torch.Generator | None) -> float:
-    dev = generator.device if generator is not None else "cpu"
-    return float(torch.rand((), generator=generator, device=dev))
-
-
 def sampling_walk(tree: FlatTree, probs: torch.Tensor,
                   generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
     """Lossless sampling acceptance on one tree (paper App. E).
@@ -179,6 +174,18 @@ def sampling_walk(tree: FlatTree, probs: torch.Tensor,
     kids: dict[int, list[int]] = {}
     for i in range(nv):
         kids.setdefault(parents[i], []).append(i)
+    edge_p: list[float] = []
+    uniforms: list[float] = []
+    if nv:
+        # One gather for every edge's P(child token | parent) and one draw of all uniforms the
+        # walk can need (each verify node is tried at most once), instead of per-child ops.
+        dev = probs.device
+        rows = torch.tensor([p + 1 for p in parents[:nv]], device=dev)
+        cols = torch.tensor(toks[:nv], device=dev)
+        edge_p = probs[rows, cols].double().tolist()
+        gdev = generator.device if generator is not None else "cpu"
+        uniforms = torch.rand(nv, generator=generator, device=gdev, dtype=torch.float64).tolist()
+    u_next = 0
     accepted: list[int] = []
     cur = -1
     while True:
@@ -187,22 +194,19 @@ def sampling_walk(tree: FlatTree, probs: torch.Tensor,
         rejected: list[int] = []
         nxt = -1
         if children:
-            # Only the children's probabilities and the running residual mass are needed
-            # until the bonus is drawn, so one small gather replaces V-wide renormalising.
-            child_p = row[torch.tensor([toks[c] for c in children], device=row.device)]
-            child_p = child_p.double().tolist()
-            total = float(row.double().sum())
+            total = float(row.sum(dtype=torch.float64))
             residual = total
-            seen: set[int] = set()
-            for c, p in zip(children, child_p):
+            for c in children:
                 t = toks[c]
-                if t in seen or not p > 0.0:
+                p = edge_p[c]
+                if t in rejected or not p > 0.0:
                     continue  # already rejected here (P = 0) or outside the support
                 rest = residual - p
-                if rest <= _RESIDUAL_EPS * total or _uniform(generator) < p / residual:
+                u = uniforms[u_next]
+                u_next += 1
+                if rest <= _RESIDUAL_EPS * total or u < p / residual:
                     nxt = c
                     break
-                seen.add(t)
                 rejected.append(t)
                 residual = rest
         if nxt >= 0:
