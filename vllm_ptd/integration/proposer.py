@@ -1,0 +1,311 @@
+"""TreeProposer: the per-step driver of a tree method inside vLLM's model runner.
+
+vLLM knows it as a ``custom_class`` proposer. The runner patch calls it at three points of
+one engine step:
+
+1. ``prepare_step`` (end of ``_prepare_inputs``): look up each decoding request's stored tree,
+   cut it to what the scheduler kept, rewrite the tree rows' positions (root + depth) and
+   publish the step for the attention backend.
+2. ``verify`` (instead of the rejection sampler): greedy or sampling tree walk per request,
+   move the accepted rows' K/V to the slots of their final positions, hand vLLM
+   ``[accepted tokens..., bonus]`` per request.
+3. ``propose`` (vLLM's drafting hook): feed the outcome back to the method (PTD grows its
+   draft tree and pool; PCTree appends hidden states) and return next step's flattened trees.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import numpy as np
+import torch
+
+from vllm_ptd.config import PCTreeConfig, PTDConfig
+from vllm_ptd.integration.step import TreeStep, active_step, build_tree_rows, set_active_step
+from vllm_ptd.method import StepOutcome, TreeMethod
+from vllm_ptd.metrics import SpecMetrics
+from vllm_ptd.tree import FlatTree, TreeBatch
+from vllm_ptd.verify import batch_walk_lists, greedy_walk_batch, sampling_walk, target_probs
+
+logger = logging.getLogger("vllm_ptd")
+
+GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
+
+
+def _eos_ids(model_config) -> list[int]:
+    ids: set[int] = set()
+    for source in (model_config.hf_config, getattr(model_config, "hf_text_config", None)):
+        eos = getattr(source, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(model_config.model).eos_token_id
+        ids.update([eos] if isinstance(eos, int) else list(eos or []))
+    except Exception:  # no generation_config.json: the model config's ids are all there is
+        pass
+    return sorted(ids)
+
+
+def _speculation_allowed(params) -> bool:
+    """Tree walks implement temperature/top-p/top-k; requests asking for what they do not
+    (logprobs, penalties, logit processors, structured output) decode without a tree."""
+    if params is None:
+        return False
+    return (params.logprobs is None and params.prompt_logprobs is None
+            and not params.presence_penalty and not params.frequency_penalty
+            and params.repetition_penalty == 1.0 and not params.bad_words
+            and not params.logit_bias and not params.allowed_token_ids
+            and not params.min_tokens and params.structured_outputs is None
+            and not getattr(params, "min_p", 0.0))
+
+
+class TreeProposer:
+    def __init__(self, vllm_config) -> None:
+        entry = (vllm_config.additional_config or {}).get("vllm_ptd")
+        if entry is None:
+            raise RuntimeError("TreeProposer is set up by speculative_config method 'ptd' or "
+                               "'pctree' (with the vllm-ptd plugin loaded), not by hand")
+        self.kind: str = entry["method"]
+        self.options = (PTDConfig if self.kind == "ptd" else PCTreeConfig)(**entry["options"])
+        self.model_config = vllm_config.model_config
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.num_spec = vllm_config.speculative_config.num_speculative_tokens
+        self.method: TreeMethod | None = None
+        if self.kind == "ptd":
+            self.method = self._make_ptd()
+        self.runner = None
+        self.trees: dict[str, FlatTree] = {}        # what the scheduler got last step
+        self.outcomes: dict[str, StepOutcome] = {}  # what this step's verification found
+        self.prompt_hidden: dict[str, list[torch.Tensor]] = {}
+        self.step_hidden: torch.Tensor | None = None
+        self.metrics = SpecMetrics()
+        self._steps = 0
+        trace = os.environ.get("VLLM_PTD_TRACE")
+        self.trace = open(trace, "a", buffering=1) if trace else None
+
+    # ---- set-up -----------------------------------------------------------------------
+    def _make_ptd(self) -> TreeMethod:
+        from vllm_ptd.ptd.method import PTDMethod
+
+        decode = None
+        if self.options.seeding == "entity":
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(self.model_config.tokenizer)
+            decode = lambda t: tok.decode([t])  # noqa: E731
+        return PTDMethod(self.options, _eos_ids(self.model_config), decode)
+
+    @property
+    def needs_hidden(self) -> bool:
+        return self.kind == "pctree"
+
+    def hidden_layer_ids(self) -> tuple[int, ...]:
+        from vllm_ptd.pctree.method import PCTreeMethod
+
+        return PCTreeMethod.layer_ids_for(self.options, self.model_config.hf_config)
+
+    def bind(self, runner) -> None:
+        self.runner = runner
+
+    def load_model(self, target_model) -> None:
+        """vLLM's CPU runner calls this after loading the target (GPU: the runner patch)."""
+        if self.kind == "pctree" and self.method is None:
+            from vllm_ptd.pctree.method import PCTreeMethod
+
+            self.method = PCTreeMethod.from_vllm_model(
+                self.options, self.model_config.hf_config, target_model,
+                eos_token_ids=_eos_ids(self.model_config))
+
+    # ---- request life cycle -----------------------------------------------------------
+    def forget(self, req_ids) -> None:
+        for req_id in req_ids:
+            self.trees.pop(req_id, None)
+            self.outcomes.pop(req_id, None)
+            self.prompt_hidden.pop(req_id, None)
+            if self.method is not None:
+                self.method.finish(req_id)
+
+    def num_tracked(self) -> int:
+        return len(self.trees) + len(self.outcomes) + len(self.prompt_hidden) + (
+            self.method.num_requests() if self.method is not None else 0)
+
+    # ---- 1. before the forward --------------------------------------------------------
+    def prepare_step(self, scheduler_output, num_scheduled_tokens: np.ndarray) -> None:
+        set_active_step(None)
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        if not spec:
+            return
+        runner = self.runner
+        ib = runner.input_batch
+        qsl = runner.query_start_loc.np
+        req_ids, batch_idx, trees, starts, ctx = [], [], [], [], []
+        for b, req_id in enumerate(ib.req_ids[: ib.num_reqs]):
+            scheduled = spec.get(req_id)
+            if not scheduled:
+                continue
+            stored = self.trees.get(req_id)
+            n = len(scheduled)
+            if stored is None or stored.tokens[:n] != list(scheduled):
+                # Drafts the proposer did not make (cannot happen unless vLLM zeroed them):
+                # verify them as the chain vLLM thinks they are.
+                stored = FlatTree(list(scheduled), list(range(-1, n - 1)))
+            assert num_scheduled_tokens[b] == n + 1, "a tree request must be one decode row + tree"
+            req_ids.append(req_id)
+            batch_idx.append(b)
+            trees.append(stored.truncated(n))
+            starts.append(int(qsl[b]))
+            ctx.append(int(ib.num_computed_tokens_cpu[b]))
+        if not trees:
+            return
+        batch = TreeBatch.from_trees(trees)
+        row_start = torch.tensor(starts, dtype=torch.int64)
+        context = torch.tensor(ctx, dtype=torch.int64)
+        # positions of node rows: root position + depth (slots stay sequential)
+        counts = (batch.offsets[1:] - batch.offsets[:-1]).to(torch.int64)
+        req_of_node = torch.repeat_interleave(torch.arange(len(trees)), counts)
+        local = torch.arange(batch.num_nodes) - batch.offsets[:-1].to(torch.int64)[req_of_node]
+        rows = row_start[req_of_node] + 1 + local
+        runner.positions[rows.to(runner.positions.device)] = (
+            context[req_of_node] + batch.depths.to(torch.int64)).to(runner.positions.device)
+        step = TreeStep(req_ids=req_ids, batch_indices=batch_idx, row_start=row_start,
+                        context=context, trees=trees, batch=batch,
+                        rows=build_tree_rows(trees, batch_idx, starts, ctx))
+        set_active_step(step)
+
+    # ---- 2. instead of the rejection sampler ------------------------------------------
+    def verify(self, logits: torch.Tensor, spec_meta, orig_sample) -> "SamplerOutput":  # noqa: F821
+        from vllm.v1.outputs import SamplerOutput
+
+        step = active_step()
+        runner = self.runner
+        sm = runner.input_batch.sampling_metadata
+        num_draft = list(spec_meta.num_draft_tokens)
+        R = len(num_draft)
+        width = max(num_draft) + 1
+        out = torch.full((R, width), -1, dtype=torch.int32, device=logits.device)
+        tree_b = set(step.batch_indices)
+        if len(tree_b) < R:
+            # Requests without a tree go through vLLM's own sampler, unchanged. It also draws
+            # for the tree requests (as chains); keep their seeded generators untouched.
+            saved = {b: sm.generators[b].get_state() for b in step.batch_indices
+                     if b in sm.generators}
+            theirs = orig_sample(logits.clone(), spec_meta).sampled_token_ids
+            for b, state in saved.items():
+                sm.generators[b].set_state(state)
+            keep = [b for b in range(R) if b not in tree_b]
+            out[keep] = theirs[keep, :width].to(out.dtype)
+
+        sampled_rows = torch.cumsum(torch.tensor([n + 1 for n in num_draft]), 0) - torch.tensor(
+            [n + 1 for n in num_draft])
+        rows_of = [sampled_rows[b].item() for b in step.batch_indices]
+        # argmax at every tree row: greedy acceptance, and what PTD's draft rows predicted
+        packed = torch.cat([torch.arange(r, r + t.num_nodes + 1) for r, t in zip(rows_of, step.trees)])
+        argmax = logits[packed.to(logits.device)].argmax(dim=-1).cpu()
+        num_acc, acc, com = greedy_walk_batch(step.batch, argmax)
+        walks = batch_walk_lists(num_acc, acc, com)
+        temps = sm.temperature.cpu() if sm.temperature is not None and not sm.all_greedy else None
+        pos = 0
+        moves_src, moves_dst = [], []
+        for i, (req_id, b, tree) in enumerate(zip(step.req_ids, step.batch_indices, step.trees)):
+            n = tree.num_nodes
+            rows_arg = argmax[pos: pos + n + 1].tolist()
+            pos += n + 1
+            accepted, committed = walks[i]
+            if temps is not None and float(temps[b]) >= GREEDY_EPS:
+                r = rows_of[i]
+                nv = tree.num_verify
+                probs = target_probs(logits[r: r + nv + 1].float(), float(temps[b]),
+                                     float(sm.top_p[b]) if sm.top_p is not None else 1.0,
+                                     int(sm.top_k[b]) if sm.top_k is not None else -1)
+                accepted, committed = sampling_walk(tree, probs, sm.generators.get(b))
+            out[b, : len(committed)] = torch.tensor(committed, dtype=torch.int32)
+            self.outcomes[req_id] = StepOutcome(tree=tree, root_argmax=rows_arg[0],
+                                                node_argmax=rows_arg[1:], accepted=accepted,
+                                                committed=committed)
+            r0 = int(step.row_start[i])
+            for k, node in enumerate(accepted):
+                if node != k:  # node k of the path is not where its final position's slot is
+                    moves_src.append(r0 + 1 + node)
+                    moves_dst.append(r0 + 1 + k)
+            self.metrics.record(committed=len(committed), accepted=len(accepted),
+                                verify_rows=tree.num_verify, draft_rows=n - tree.num_verify)
+            if self.trace is not None:
+                self.trace.write(json.dumps({"req": req_id, "nodes": n, "verify": tree.num_verify,
+                                             "accepted": len(accepted), "committed": len(committed)}) + "\n")
+        if moves_src:
+            self._move_kv(step, moves_src, moves_dst)
+        self._steps += 1
+        if self._steps % 500 == 0:
+            logger.info("vllm-ptd %s: %s", self.kind, self.metrics.summary())
+        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
+
+    @staticmethod
+    def _move_kv(step: TreeStep, src_rows: list[int], dst_rows: list[int]) -> None:
+        """Re-write the accepted rows' K/V into the slots of their final positions, through
+        each layer's own cache writer (so any KV layout and dtype works)."""
+        for impl, layer, key, value, kv_cache, slot_mapping in step.kv_stash.values():
+            dev = key.device
+            src = torch.tensor(src_rows, device=dev)
+            dst = slot_mapping[torch.tensor(dst_rows, device=slot_mapping.device)]
+            impl.write_kv_rows(layer, key[src], value[src], kv_cache, dst)
+
+    # ---- 3. vLLM's drafting hook --------------------------------------------------------
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
+                slot_mappings=None) -> list[list[int]]:
+        runner = self.runner
+        ib = runner.input_batch
+        qsl = runner.query_start_loc.np
+        hidden = self.step_hidden
+        self.step_hidden = None
+        method = self.method
+        out: list[list[int]] = [[] for _ in range(len(sampled_token_ids))]
+        observe_ids, observe_outcomes, ready_ids, ready_last, ready_b = [], [], [], [], []
+        for b, req_id in enumerate(ib.req_ids[: ib.num_reqs]):
+            toks = sampled_token_ids[b]
+            if method.has(req_id):
+                if not toks:
+                    continue
+                outcome = self.outcomes.pop(req_id, None)
+                if outcome is None:  # the request ran without a tree this step
+                    outcome = StepOutcome(FlatTree(), toks[-1], [], [], list(toks))
+                if hidden is not None:
+                    r0 = int(qsl[b])
+                    outcome.hidden = hidden[[r0] + [r0 + 1 + a for a in outcome.accepted]]
+                observe_ids.append(req_id)
+                observe_outcomes.append(outcome)
+            else:
+                if hidden is not None:
+                    # prompt rows (maybe one chunk of several): the drafter's first context
+                    self.prompt_hidden.setdefault(req_id, []).append(
+                        hidden[int(qsl[b]): int(qsl[b + 1])])
+                if not toks:
+                    continue
+                params = runner.requests[req_id].sampling_params if req_id in runner.requests else None
+                if not _speculation_allowed(params):
+                    self.prompt_hidden.pop(req_id, None)
+                    continue
+                n = int(num_tokens_no_spec[b])
+                prompt_hidden = None
+                if hidden is not None:
+                    prompt_hidden = torch.cat(self.prompt_hidden.pop(req_id))
+                method.start(req_id, token_ids_cpu[b, : n - 1].tolist(), prompt_hidden)
+            ready_ids.append(req_id)
+            ready_last.append(int(toks[-1]))
+            ready_b.append(b)
+        if observe_ids:
+            method.observe(observe_ids, observe_outcomes)
+        if ready_ids:
+            trees = method.propose(ready_ids, ready_last)
+            for req_id, b, tree in zip(ready_ids, ready_b, trees):
+                # the scheduler keeps positions below max_model_len; cut here so what we
+                # store is what it will run
+                room = self.max_model_len - 1 - int(num_tokens_no_spec[b])
+                tree = tree.truncated(min(self.num_spec, max(room, 0)))
+                self.trees[req_id] = tree
+                out[b] = list(tree.tokens)
+        return out
