@@ -22,10 +22,10 @@ import numpy as np
 import torch
 
 from vllm_ptd.config import PCTreeConfig, PTDConfig
-from vllm_ptd.integration.step import TreeStep, active_step, build_tree_rows, set_active_step
+from vllm_ptd.integration.step import TreeStep, active_step, build_step, set_active_step
 from vllm_ptd.method import StepOutcome, TreeMethod
 from vllm_ptd.metrics import SpecMetrics
-from vllm_ptd.tree import FlatTree, TreeBatch
+from vllm_ptd.tree import FlatTree
 from vllm_ptd.verify import batch_walk_lists, greedy_walk_batch, sampling_walk, target_probs
 
 logger = logging.getLogger("vllm_ptd")
@@ -162,20 +162,7 @@ class TreeProposer:
             ctx.append(int(ib.num_computed_tokens_cpu[b]))
         if not trees:
             return
-        batch = TreeBatch.from_trees(trees)
-        row_start = torch.tensor(starts, dtype=torch.int64)
-        context = torch.tensor(ctx, dtype=torch.int64)
-        # positions of node rows: root position + depth (slots stay sequential)
-        counts = (batch.offsets[1:] - batch.offsets[:-1]).to(torch.int64)
-        req_of_node = torch.repeat_interleave(torch.arange(len(trees)), counts)
-        local = torch.arange(batch.num_nodes) - batch.offsets[:-1].to(torch.int64)[req_of_node]
-        rows = row_start[req_of_node] + 1 + local
-        runner.positions[rows.to(runner.positions.device)] = (
-            context[req_of_node] + batch.depths.to(torch.int64)).to(runner.positions.device)
-        step = TreeStep(req_ids=req_ids, batch_indices=batch_idx, row_start=row_start,
-                        context=context, trees=trees, batch=batch,
-                        rows=build_tree_rows(trees, batch_idx, starts, ctx))
-        set_active_step(step)
+        set_active_step(build_step(req_ids, batch_idx, trees, starts, ctx, self.runner.positions))
 
     # ---- 2. instead of the rejection sampler ------------------------------------------
     def verify(self, logits: torch.Tensor, spec_meta, orig_sample) -> "SamplerOutput":  # noqa: F821

@@ -1,12 +1,12 @@
-"""One engine step's trees, as the runner patch, the attention backend and the verifier see
+"""One engine step's trees, as the runner patch, the attention backends and the verifier see
 them. Plain dataclasses of tensors, built once per step in ``_prepare_inputs``.
 
-Row layout inside vLLM's flattened batch: a decoding request b with a tree owns the rows
-``row_start[b] .. row_start[b] + n_b``: its root (the last committed token, the ordinary
-decode row) then its n_b tree nodes in the tree's parents-first order. vLLM computed the KV
-slots of those rows sequentially (node j -> slot of position c_b + 1 + j); the patch only
-rewrites their RoPE positions to c_b + depth_j, so accepted nodes are later copied to the
-slots of their final positions.
+Row layout inside vLLM's flattened batch: a decoding request with a tree owns the rows
+``row_start .. row_start + n``: its root (the last committed token, the ordinary decode row)
+then its n tree nodes in the tree's parents-first order. vLLM computed the KV slots of those
+rows sequentially (node j -> slot of position c + 1 + j); the patch only rewrites their RoPE
+positions to c + depth_j, and accepted nodes are later copied to the slots of their final
+positions.
 """
 from __future__ import annotations
 
@@ -14,30 +14,88 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_ptd.kernels import TreeMask, build_tree_mask, write_node_positions
 from vllm_ptd.tree import FlatTree, TreeBatch
 
 
 @dataclass
 class TreeRows:
-    """Attention work of one step: rows that need the tree mask instead of causal."""
+    """CPU attention work: per tree request, the rows that need the tree mask instead of
+    causal attention (nodes below ``causal_from``) and their mask over the request's keys
+    (keys 0..c are the committed prefix and the root; key c+1+j is node j)."""
 
-    batch_indices: list[int]  # per entry: the request's index in the input batch
-    req_rows: list[tuple[int, int, int]]  # per entry: (first tree row, rows, seq_len)
-    masks: list[torch.Tensor]  # per tree request: [rows, seq_len] bool, True = may attend
+    batch_indices: list[int]
+    req_rows: list[tuple[int, int, int]]  # (first tree row, rows, seq_len)
+    masks: list[torch.Tensor]  # [rows, seq_len] bool, True = may attend
 
 
 @dataclass
 class TreeStep:
     req_ids: list[str]            # requests with a tree this step, in batch order
     batch_indices: list[int]      # their index in the input batch
-    row_start: torch.Tensor       # [T] their root row in the flattened batch
-    context: torch.Tensor         # [T] position of their root (= computed tokens)
+    row_start: torch.Tensor       # [T] int64, their root row in the flattened batch
+    context: torch.Tensor         # [T] int64, position of their root (= computed tokens)
     trees: list[FlatTree]         # the trees as scheduled (maybe cut short)
     batch: TreeBatch              # the same, packed
-    rows: TreeRows                # what the attention backend recomputes
+    mask: TreeMask                # ancestor masks of all trees (root row/col 0)
     # filled by the attention backend during the forward: layer -> (impl, layer, key,
     # value, kv_cache, slot_mapping), so accepted rows can be re-written to new slots
     kv_stash: dict = field(default_factory=dict)
+    _rows: TreeRows | None = None
+    _on_device: dict = field(default_factory=dict)
+
+    @property
+    def batch_indices_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.batch_indices, dtype=torch.int64)
+
+    @property
+    def max_rows(self) -> int:
+        return max(t.num_nodes for t in self.trees) + 1
+
+    def mask_on(self, device) -> TreeMask:
+        key = str(device)
+        if key not in self._on_device:
+            self._on_device[key] = TreeMask(self.mask.mask.to(device), self.mask.offsets.to(device))
+        return self._on_device[key]
+
+    @property
+    def rows(self) -> TreeRows:
+        """Built on first use (by the CPU backend) and shared by every layer of the step."""
+        if self._rows is None:
+            self._rows = _tree_rows(self)
+        return self._rows
+
+
+def _tree_rows(step: TreeStep) -> TreeRows:
+    idx, req_rows, masks = [], [], []
+    for i, tree in enumerate(step.trees):
+        m = tree.causal_from  # nodes from causal_from on are exact causal rows already
+        if m == 0:
+            continue
+        n, c = tree.num_nodes, int(step.context[i])
+        seq_len = c + 1 + n
+        mask = torch.zeros(m, seq_len, dtype=torch.bool)
+        mask[:, : c + 1] = True
+        mask[:, c + 1:] = step.mask.request(i)[1: m + 1, 1:]
+        idx.append(step.batch_indices[i])
+        req_rows.append((int(step.row_start[i]) + 1, m, seq_len))
+        masks.append(mask)
+    return TreeRows(idx, req_rows, masks)
+
+
+def build_step(req_ids: list[str], batch_indices: list[int], trees: list[FlatTree],
+               row_start: list[int], context: list[int], positions: torch.Tensor) -> TreeStep:
+    """Pack the step's trees, build their masks and write the node rows' positions
+    (root position + depth) into the runner's ``positions`` buffer in place."""
+    batch = TreeBatch.from_trees(trees)
+    starts = torch.tensor(row_start, dtype=torch.int64)
+    ctx = torch.tensor(context, dtype=torch.int64)
+    dev = positions.device
+    write_node_positions(positions, batch.depths.to(dev), batch.offsets.to(dev), ctx.to(dev),
+                         starts.to(dev))
+    mask = build_tree_mask(batch.parents, batch.offsets, batch.causal_from)
+    return TreeStep(req_ids=req_ids, batch_indices=batch_indices, row_start=starts, context=ctx,
+                    trees=trees, batch=batch, mask=mask)
 
 
 _active: TreeStep | None = None
@@ -50,23 +108,3 @@ def set_active_step(step: TreeStep | None) -> None:
 
 def active_step() -> TreeStep | None:
     return _active
-
-
-def build_tree_rows(trees: list[FlatTree], batch_indices: list[int], row_start: list[int],
-                    context: list[int]) -> TreeRows:
-    """Which rows the attention backend recomputes and their masks over the request's keys
-    (keys 0..c are the committed prefix and the root; key c+1+j is node j)."""
-    idx, req_rows, masks = [], [], []
-    for tree, b, r0, c in zip(trees, batch_indices, row_start, context):
-        m = tree.causal_from  # nodes from causal_from on are plain causal rows
-        if m == 0:
-            continue
-        seq_len = c + 1 + tree.num_nodes
-        anc = tree.ancestor_mask()  # [n+1, n+1], row/col 0 = root
-        mask = torch.zeros(m, seq_len, dtype=torch.bool)
-        mask[:, : c + 1] = True
-        mask[:, c + 1:] = anc[1: m + 1, 1:]
-        idx.append(b)
-        req_rows.append((r0 + 1, m, seq_len))
-        masks.append(mask)
-    return TreeRows(idx, req_rows, masks)

@@ -1,0 +1,58 @@
+"""TreeTritonAttentionBackend: vLLM's Triton attention plus tree rows, for GPUs.
+
+vLLM's ``unified_attention`` has no per-request mask (its ``qq_bias`` is one [Q, Q] bias for
+the whole batch, and no backend passes it), so, as on CPU, the step runs vLLM's kernel for
+every row and then the project's Triton kernel ``vllm_ptd.kernels.tree_attention`` rewrites
+the tree rows over the paged cache with each request's ancestor mask. Both run inside the
+attention custom op, so PIECEWISE CUDA graphs (set by EngineArgsPatch) keep this Python
+path live every step; FULL graphs would freeze it and are turned off.
+
+Written for the Triton backend layout of vLLM 0.32/0.33: per-layer cache
+[num_blocks, num_kv_heads, block_size, 2 * head_size], K and V halves of the last dim.
+Not run on a GPU in this project's CI (no GPU there); the kernel itself is tested against its
+torch twin under ``TRITON_INTERPRET=1`` on small paged caches.
+"""
+from __future__ import annotations
+
+from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
+
+from vllm_ptd.integration.step import active_step
+from vllm_ptd.kernels import tree_attention
+
+
+class TreeTritonAttentionImpl(TritonAttentionImpl):
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        step = active_step()
+        if step is not None and kv_cache.numel() > 0:
+            step.kv_stash[id(layer)] = (self, layer, key, value, kv_cache, slot_mapping)
+
+    def write_kv_rows(self, layer, key, value, kv_cache, slots) -> None:
+        TritonAttentionImpl.do_kv_cache_update(self, layer, key, value, kv_cache, slots)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                        output_scale, output_block_scale)
+        step = active_step()
+        if step is None or attn_metadata is None or output_scale is not None:
+            return output
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        dev = query.device
+        out = output.view(output.shape[0], self.num_heads, self.head_size)
+        tree_attention(
+            query.view(query.shape[0], self.num_heads, self.head_size), key_cache, value_cache,
+            attn_metadata.block_table[step.batch_indices_tensor.to(dev)],
+            step.context.to(dev), step.row_start.to(dev), step.batch.offsets.to(dev),
+            step.mask_on(dev), self.scale, out=out, max_rows=step.max_rows)
+        return output
+
+
+class TreeTritonAttentionBackend(TritonAttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "TRITON_ATTN"
+
+    @staticmethod
+    def get_impl_cls():
+        return TreeTritonAttentionImpl
