@@ -1,0 +1,165 @@
+"""PTD as a TreeMethod: per-request draft tree + candidate pool, one step at a time.
+
+Each step's proposal is ``[candidate tree from pool[last token]] + [draft rows]``: the first
+``max_verify_nodes`` (at most) nodes are verified, the draft rows after them only draft.
+``observe`` then (paper Alg. 1, steps 3-4, plus the authors' extras):
+  1. grows the draft tree from the draft rows' argmax (expansion, EOS removal, stepping
+     prune, width/top-level control) and refills it from seeds when it ran empty;
+  2. merges every draft subtree into the pool under its root token (recursive union M);
+  3. adds the n-grams the committed tokens completed (``pool_from_output``);
+  4. extends the verified candidate tree with the target's argmax at each node.
+
+Costs per request and step are bounded by the tree budgets, the draft depth and the per-key
+trie cap; nothing walks the whole pool (capacity eviction is LRU in O(1) per evicted item).
+"""
+from __future__ import annotations
+
+import random
+import zlib
+from typing import Callable, Sequence
+
+from vllm_ptd.config import PTDConfig
+from vllm_ptd.method import StepOutcome, TreeMethod
+from vllm_ptd.ptd.candidate_pool import CandidatePool
+from vllm_ptd.ptd.draft_tree import DraftTree
+from vllm_ptd.ptd.seeding import Seeding, make_seeding
+from vllm_ptd.tree import FlatTree
+
+
+class PTDRequest:
+    """One request's PTD state."""
+
+    __slots__ = ("req_id", "draft", "pool", "rng", "history", "prompt_len", "last",
+                 "expected_last", "proposed_verify", "steps")
+
+    def __init__(self, req_id: str, draft: DraftTree, pool: CandidatePool,
+                 rng: random.Random, prompt: list[int]) -> None:
+        self.req_id = req_id
+        self.draft = draft
+        self.pool = pool
+        self.rng = rng
+        self.history = prompt  # committed tokens: prompt then output (seeding's context)
+        self.prompt_len = len(prompt)
+        self.last: int | None = None           # root token of the last proposal
+        self.expected_last: int | None = None  # last committed token seen by observe
+        self.proposed_verify = 0
+        self.steps = 0
+
+
+def request_seed(seed: int, req_id: str) -> int:
+    """A per-request seed that is stable across processes (``hash`` of str is salted)."""
+    return zlib.crc32(f"{seed}:{req_id}".encode()) ^ (seed * 0x9E3779B1 & 0xFFFFFFFF)
+
+
+class PTDMethod(TreeMethod):
+    def __init__(self, config: PTDConfig, eos_token_ids: Sequence[int],
+                 decode_token: Callable[[int], str] | None = None) -> None:
+        if config.max_verify_nodes is None or config.max_draft_nodes is None \
+                or config.draft_attention is None:
+            raise ValueError("PTDMethod needs a resolved PTDConfig (PTDConfig.resolved(device))")
+        if config.seeding == "entity" and decode_token is None:
+            raise ValueError("speculative_config['seeding'] = 'entity' needs the tokenizer: "
+                             "pass decode_token")
+        self.config = config
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.seeding: Seeding = make_seeding(config.seeding, decode_token)
+        # n-grams of depth+1 tokens: chains as deep as a draft subtree may get
+        self.ngram = config.depth + 1
+        self.causal = config.draft_attention == "causal"
+        self._reqs: dict[str, PTDRequest] = {}
+
+    @property
+    def max_tree_nodes(self) -> int:
+        return self.config.max_tree_nodes
+
+    # ------------------------------------------------------------------ life cycle
+    def start(self, req_id: str, prompt_token_ids: list[int], prompt_hidden=None) -> None:
+        c = self.config
+        prompt = [int(t) for t in prompt_token_ids]
+        draft = DraftTree(c.width, c.depth, c.max_draft_nodes, self.eos_token_ids)
+        pool = CandidatePool(c.pool_key_nodes, c.pool_max_nodes)
+        st = PTDRequest(req_id, draft, pool, random.Random(request_seed(c.seed, req_id)), prompt)
+        if c.pool_from_prompt:
+            pool.insert_ngrams(prompt, self.ngram)
+        self._refill(st)
+        self._reqs[req_id] = st
+
+    def finish(self, req_id: str) -> None:
+        self._reqs.pop(req_id, None)
+
+    def has(self, req_id: str) -> bool:
+        return req_id in self._reqs
+
+    def num_requests(self) -> int:
+        return len(self._reqs)
+
+    def state(self, req_id: str) -> PTDRequest:
+        return self._reqs[req_id]
+
+    # ------------------------------------------------------------------ helpers
+    def _refill(self, st: PTDRequest) -> None:
+        if st.draft.empty and self.config.max_draft_nodes > 0 and self.config.num_seeds > 0:
+            st.draft.seed(self.seeding.seeds(st.history, st.rng, self.config.num_seeds))
+
+    def _commit(self, st: PTDRequest, tokens: Sequence[int]) -> None:
+        """Append committed tokens; with ``pool_from_output`` insert the n-grams they extend:
+        every key position whose n-gram window reaches into the new tokens."""
+        if not tokens:
+            return
+        h = st.history
+        old = len(h)
+        h.extend(int(t) for t in tokens)
+        if not self.config.pool_from_output:
+            return
+        n = self.ngram
+        first_key = 0 if self.config.pool_from_prompt else max(0, st.prompt_len - 1)
+        lo = max(first_key, old - n + 1)
+        new = len(h)
+        for i in range(lo, new - 1):
+            st.pool.insert_path(h[i], h[i + 1: min(i + n, new)])
+
+    # ------------------------------------------------------------------ steps
+    def propose(self, req_ids: list[str], last_tokens: list[int]) -> list[FlatTree]:
+        out = []
+        nv_max = self.config.max_verify_nodes
+        for req_id, last in zip(req_ids, last_tokens):
+            st = self._reqs[req_id]
+            last = int(last)
+            if st.expected_last is None or st.expected_last != last:
+                # the first decode step's root is the token sampled by the prefill; later a
+                # mismatch means the engine committed something observe did not see
+                self._commit(st, [last])
+                st.expected_last = last
+            cand = st.pool.retrieve_lists(last, nv_max)
+            tree = st.draft.to_flat(cand, causal=self.causal)
+            st.last = last
+            st.proposed_verify = len(cand[0])
+            out.append(tree)
+        return out
+
+    def observe(self, req_ids: list[str], outcomes: list[StepOutcome]) -> None:
+        for req_id, oc in zip(req_ids, outcomes):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            st.steps += 1
+            st.pool.tick()
+            tree = oc.tree
+            nv = tree.num_verify
+            draft_argmax = list(oc.node_argmax[nv: tree.num_nodes])
+            # 1. the draft tree evolves (rows cut by the scheduler simply give no argmax)
+            st.draft.grow(draft_argmax if tree.num_nodes > 0 else [])
+            self._refill(st)
+            # 2. every draft subtree into the pool under its root token
+            for tok, sub in st.draft.subtrees():
+                if sub.children:
+                    st.pool.merge(tok, sub)
+            # 3. the extension of the tree verified this step by the target's argmax
+            if st.last is not None:
+                st.pool.add_verified(tree, oc.node_argmax[:nv], st.last,
+                                     oc.root_argmax)
+            # 4. the committed tokens and the n-grams they complete
+            self._commit(st, oc.committed)
+            if oc.committed:
+                st.expected_last = int(oc.committed[-1])
+            st.last = None
