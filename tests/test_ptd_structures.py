@@ -458,3 +458,38 @@ def test_ptd_python_overhead_per_step():
     finally:
         gc.unfreeze()
     assert spent / steps < 2e-3, f"{spent / steps * 1e3:.3f} ms per step"
+
+
+# ---------------------------------------------------------------------- metrics
+def test_metrics_definitions():
+    m = SpecMetrics()
+    for committed, accepted in [(1, 0), (3, 2), (4, 3), (1, 0), (2, 1)]:
+        m.record(committed=committed, accepted=accepted, draft_rows=10, verify_rows=6)
+    assert m.hit_rate == pytest.approx(3 / 5)
+    assert m.accept_length == pytest.approx((3 + 4 + 2) / 3)  # bonus included
+    assert m.decoding_efficiency == pytest.approx(11 / 5) == m.tau
+    assert m.decoding_efficiency == pytest.approx(m.hit_rate * m.accept_length + 1 - m.hit_rate)
+    assert (m.draft_per_step, m.verify_per_step) == (10, 6)
+    assert m.survival() == pytest.approx([1.0, 3 / 5, 2 / 5, 1 / 5])
+    assert m.utilisation == pytest.approx(6 / 30)
+    other = SpecMetrics()
+    other.record_outcome(StepOutcome(FlatTree([1, 2, 3], [-1, 0, -1], num_verify=2), 1,
+                                     [2, 0, 0], [0, 1], [1, 2, 0]))
+    total = SpecMetrics.merged([m, other])
+    assert total.steps == 6 and total.committed == 14 and total.draft_rows == 51
+    assert total.survival()[2] == pytest.approx(3 / 6)
+    d = total.as_dict()
+    assert {"HR", "AL", "DE", "tau", "Dft", "Ver", "survival"} <= set(d)
+    assert SpecMetrics().as_dict()["DE"] == 0.0 and SpecMetrics().survival() == []
+    with pytest.raises(ValueError):
+        m.record(committed=-1, accepted=0)
+
+
+def test_causal_emission_puts_first_child_after_parent():
+    t = DraftTree(width=4, depth=6, max_nodes=50)
+    t.seed([[1, 2, 3], [4, 5]])
+    grow_by(t, {1: 9})
+    assert shape(t) == [(1, [(2, [(3, [(4, [])])]), (9, [])]), (4, [(5, [(6, [])])]), (5, [])]
+    tokens, parents = t.emit()
+    assert tokens == [1, 2, 3, 4, 9, 4, 5, 6, 5]
+    assert parents == [-1, 0, 1, 2, 0, -1, 5, 6, -1]  # preorder: main-line child right after
