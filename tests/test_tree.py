@@ -42,7 +42,7 @@ def test_other_invalid_trees_raise():
 
 def test_truncation_is_prefix_valid():
     rng = random.Random(1)
-    for _ in range(300):
+    for _ in range(80):
         t = random_tree(rng, rng.randint(0, 20))
         for n in range(-1, t.num_nodes + 2):
             c = t.truncated(n)
