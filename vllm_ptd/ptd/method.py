@@ -46,9 +46,12 @@ class PTDRequest:
         self.steps = 0
 
 
-def request_seed(seed: int, req_id: str) -> int:
-    """A per-request seed that is stable across processes (``hash`` of str is salted)."""
-    return zlib.crc32(f"{seed}:{req_id}".encode()) ^ (seed * 0x9E3779B1 & 0xFFFFFFFF)
+def request_seed(seed: int, prompt: list[int]) -> int:
+    """A per-request seed stable across processes and engines: it depends on the configured
+    seed and the prompt, not on the request id, so the reference engine and vLLM (whose ids
+    differ) draw the same seeds for the same prompt and their steps can be compared."""
+    data = b"".join(int(t).to_bytes(4, "little", signed=True) for t in prompt)
+    return zlib.crc32(data, seed & 0xFFFFFFFF) ^ (seed * 0x9E3779B1 & 0xFFFFFFFF)
 
 
 class PTDMethod(TreeMethod):
@@ -78,7 +81,7 @@ class PTDMethod(TreeMethod):
         prompt = [int(t) for t in prompt_token_ids]
         draft = DraftTree(c.width, c.depth, c.max_draft_nodes, self.eos_token_ids)
         pool = CandidatePool(c.pool_key_nodes, c.pool_max_nodes)
-        st = PTDRequest(req_id, draft, pool, random.Random(request_seed(c.seed, req_id)), prompt)
+        st = PTDRequest(req_id, draft, pool, random.Random(request_seed(c.seed, prompt)), prompt)
         if c.pool_from_prompt:
             pool.insert_ngrams(prompt, self.ngram)
         self._refill(st)
