@@ -1,0 +1,468 @@
+"""PCTree on a DSpark drafter: fast checks on random-init tiny drafters (no target model).
+
+k = 1 reproduces chain DSpark step by step (against a cache-free re-implementation), the
+expansion matches a naive per-node implementation, trees are prefix-closed with the
+documented tie-breaking, the global top-N keeps the root, batched = per-request (expansion
+and drafter block), the loader round-trips and refuses checkpoints that do not fit.
+"""
+import json
+import math
+import struct
+
+import pytest
+import torch
+
+from vllm_ptd.config import PCTreeConfig
+from vllm_ptd.method import StepOutcome
+from vllm_ptd.pctree.checkpoint import (check_drafter_fits, expected_tensor_shapes, load_drafter,
+                                        read_tensor_shapes, save_drafter)
+from vllm_ptd.pctree.drafter import (DSparkConfig, DSparkDrafter, MarkovHead,
+                                     hidden_layer_ids_from_target_layer_ids, tap_hidden_states)
+from vllm_ptd.pctree.expand import expand_trees, pool_capacity, rank_nodes
+from vllm_ptd.pctree.method import PCTreeMethod
+
+V, D, NL = 96, 32, 6
+TARGET = dict(vocab_size=V, hidden_size=D, num_hidden_layers=NL, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, intermediate_size=64, rms_norm_eps=1e-6,
+              rope_theta=10000.0, model_type="llama", architectures=["LlamaForCausalLM"],
+              hidden_act="silu", tie_word_embeddings=True)
+LAYERS = [0, 2, 4]  # DeepSpec ids -> HF hidden_states 1, 3, 5
+
+
+def make_drafter(seed=0, block=5, rank=8, kind="vanilla", conf=False, shared=True, std=0.5):
+    cfg = DSparkConfig.for_target(TARGET, num_layers=2, block_size=block, target_layer_ids=LAYERS,
+                                  mask_token_id=V - 1, markov_rank=rank, markov_head_type=kind,
+                                  enable_confidence_head=conf, confidence_head_with_markov=conf,
+                                  shared_embeddings=shared)
+    g = torch.Generator().manual_seed(seed)
+    dr = DSparkDrafter(cfg)
+    with torch.no_grad():
+        for p in dr.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+    return dr.eval()
+
+
+def rows(n, seed):
+    return torch.randn(n, len(LAYERS) * D, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+# ---------------------------------------------------------------------------------------
+# reference implementations (cache-free, per node, plain Python)
+# ---------------------------------------------------------------------------------------
+
+
+def block_from_scratch(dr, ctx_rows, root, pos):
+    """U, h of one block computed from all context rows at once (training layout)."""
+    T = ctx_rows.shape[0]
+    ids = torch.zeros(1, T + 1, dtype=torch.long)
+    ids[0, T] = root
+    full = torch.cat([ctx_rows, torch.zeros(1, ctx_rows.shape[1])]).unsqueeze(0)
+    assert pos == T
+    with torch.no_grad():
+        _, _, h = dr.forward_train(ids, full, torch.tensor([[T]]))
+        h = h[0, 0]
+        return dr.lm_head(h).float(), h
+
+
+def dspark_chain(dr, U, h, root):
+    """Chain DSpark greedy: x_k = argmax(U_k + W1[x_{k-1}] . W2)."""
+    W1 = dr.markov_head.markov_w1.weight
+    W2 = dr.markov_head.markov_w2.weight
+    prev, out = root, []
+    for k in range(U.shape[0]):
+        prev = int((U[k] + W2 @ W1[prev]).argmax())
+        out.append(prev)
+    return out
+
+
+def naive_expand(U, root, markov, k, N, depth=None, mode="pctree"):
+    """Seed 001 PCTree, one node at a time."""
+    depth = U.shape[0] if depth is None else depth
+
+    def logp(d, parent_tok):
+        lg = U[d].float().clone()
+        if markov is not None:
+            lg = lg + markov.bias(torch.tensor([parent_tok]))[0].float()
+        return torch.log_softmax(lg, -1)
+
+    nodes = [dict(tok=root, par=None, score=0.0, depth=0, id=0)]
+    frontier = [0]
+    chain_q, prev = [], root
+    for d in range(depth):
+        q = logp(d, prev)
+        chain_q.append(q)
+        prev = int(q.argmax())
+    for d in range(depth):
+        new = []
+        for f in frontier:
+            lp = chain_q[d] if mode == "shared" else logp(d, nodes[f]["tok"])
+            vals, idx = lp.topk(k)
+            for v, t in zip(vals.tolist(), idx.tolist()):
+                n = dict(tok=t, par=f, score=nodes[f]["score"] + min(v, 0.0), depth=d + 1, id=len(nodes))
+                nodes.append(n)
+                new.append(n)
+        new.sort(key=lambda n: (-n["score"], n["id"]))
+        frontier = [n["id"] for n in new[:k]]
+    ranked = sorted(nodes, key=lambda n: (-n["score"], n["depth"], n["id"]))
+    ranked = [n for n in ranked if math.isfinite(n["score"])][:N]
+    pos = {n["id"]: i - 1 for i, n in enumerate(ranked)}
+    return [n["tok"] for n in ranked[1:]], [pos[n["par"]] for n in ranked[1:]]
+
+
+# ---------------------------------------------------------------------------------------
+# hidden-state convention
+# ---------------------------------------------------------------------------------------
+
+
+def test_hidden_layer_ids_convention():
+    assert hidden_layer_ids_from_target_layer_ids([-1, 0, 2, 27]) == (0, 1, 3, 28)
+    dr = make_drafter()
+    assert dr.hidden_layer_ids == (1, 3, 5)
+    hs = tuple(torch.full((1, 4, D), float(i)) for i in range(NL + 1))
+    tapped = tap_hidden_states(hs, dr.hidden_layer_ids)
+    assert tapped.shape == (1, 4, 3 * D)
+    assert tapped[0, 0, :D].eq(1).all() and tapped[0, 0, 2 * D:].eq(5).all()
+
+
+# ---------------------------------------------------------------------------------------
+# drafter: cache and batching
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "gated"])
+def test_cached_block_equals_block_from_scratch(kind):
+    dr = make_drafter(kind=kind)
+    ctx = dr.new_context()
+    r = rows(12, 1)
+    dr.append_context(ctx, r[:7], 0)
+    dr.append_context(ctx, r[7:9])  # continues at position 7
+    dr.append_context(ctx, r[9:12], [9, 10, 11])
+    assert ctx.length == 12 and ctx.next_position == 12
+    U, h = dr.draft_block(ctx, 5)
+    U2, h2 = block_from_scratch(dr, r, 5, 12)
+    torch.testing.assert_close(h, h2, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(U, U2, rtol=1e-4, atol=1e-3)
+    assert ctx.length == 12  # the block is dropped
+
+
+def test_batched_block_equals_single():
+    dr = make_drafter()
+    lens = [3, 11, 7]
+    ctxs = []
+    for i, n in enumerate(lens):
+        c = dr.new_context()
+        dr.append_context(c, rows(n, 10 + i), 0)
+        ctxs.append(c)
+    U, h = dr.draft_block(ctxs, [4, 9, 17])
+    for i, c in enumerate(ctxs):
+        u1, h1 = dr.draft_block(c, [4, 9, 17][i])
+        torch.testing.assert_close(U[i], u1, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(h[i], h1, rtol=1e-4, atol=1e-4)
+
+
+def test_context_window_bounds_state():
+    dr = make_drafter()
+    c = dr.new_context(max_rows=8)
+    r = rows(20, 3)
+    for s in range(0, 20, 3):
+        dr.append_context(c, r[s: s + 3], s)
+    assert c.length == 8 and c.next_position == 20
+    assert c.capacity <= 64
+    U, _ = dr.draft_block(c, 1)
+    assert torch.isfinite(U).all()
+
+
+# ---------------------------------------------------------------------------------------
+# expansion
+# ---------------------------------------------------------------------------------------
+
+
+def test_k1_equals_chain_dspark_step_by_step():
+    """PCTree with k = 1 (and mode chain) proposes exactly chain DSpark's greedy block at every
+    step of a decode, with the context grown by [root, *accepted] rows."""
+    dr = make_drafter(seed=3)
+    B = dr.block_size
+    outs = {}
+    for mode, k in (("pctree", 1), ("chain", 4), ("shared", 1)):
+        m = PCTreeMethod(PCTreeConfig(branching=k, max_nodes=B + 1, mode=mode), TARGET, drafter=dr)
+        outs[mode] = m
+    all_rows = rows(40, 7)
+    P = 6
+    for m in outs.values():
+        m.start("r", list(range(P)), all_rows[:P])
+    pos, root = P, 11
+    for step in range(6):
+        U, h = block_from_scratch(dr, all_rows[:pos], root, pos)
+        chain = dspark_chain(dr, U, h, root)
+        for mode, m in outs.items():
+            t = m.propose(["r"], [root])[0]
+            assert t.tokens == chain, (mode, step)
+            assert t.parents == list(range(-1, B - 1))
+        acc = step % 3  # pretend `acc` nodes were accepted
+        out = StepOutcome(tree=t, root_argmax=0, node_argmax=[0] * t.num_nodes,
+                          accepted=list(range(acc)), committed=chain[:acc] + [root],
+                          hidden=all_rows[pos: pos + acc + 1])
+        for m in outs.values():
+            m.observe(["r"], [out])
+        pos += acc + 1
+        root = (root * 7 + step) % (V - 1)
+
+
+@pytest.mark.parametrize("mode", ["pctree", "shared"])
+@pytest.mark.parametrize("k,N", [(2, 6), (3, 10), (4, 16), (4, 200)])
+def test_expansion_matches_naive(mode, k, N):
+    dr = make_drafter(seed=5, std=0.8)
+    g = torch.Generator().manual_seed(k * 100 + N)
+    U = torch.randn(dr.block_size, V, generator=g) * 3
+    tree, = expand_trees(U.unsqueeze(0), [7], markov=dr.markov_head, k=k, max_nodes=N, mode=mode)
+    toks, pars = naive_expand(U, 7, dr.markov_head, k, N, mode=mode)
+    assert tree.tokens == toks and tree.parents == pars
+    assert tree.num_nodes == min(N, pool_capacity(k, dr.block_size)) - 1
+
+
+def test_global_top_n_keeps_root_and_best_nodes():
+    dr = make_drafter(seed=9, std=0.8)
+    U = torch.randn(3, dr.block_size, V, generator=torch.Generator().manual_seed(1)) * 3
+    res = expand_trees(U, [1, 2, 3], markov=dr.markov_head, k=3, max_nodes=9, return_scores=True)
+    full = expand_trees(U, [1, 2, 3], markov=dr.markov_head, k=3, max_nodes=10_000, return_scores=True)
+    for t, s, ft, fs in zip(res.trees, res.scores, full.trees, full.scores):
+        assert t.num_nodes == 8  # N counts the root
+        assert s == sorted(s, reverse=True) and all(x <= 0 for x in s)
+        assert s == fs[:8] and t.tokens == ft.tokens[:8]  # the best 8 of all candidates
+        assert t.parents == ft.parents[:8]
+        for i, p in enumerate(t.parents):
+            assert p < i
+            if p >= 0:
+                assert s[p] >= s[i]
+
+
+def test_prefix_closed_under_score_ties():
+    """Probability-1 children tie with their parents (and the root) on score: depth breaks
+    the tie, so parents come first and the root is always kept; -inf nodes are never kept."""
+    inf = float("-inf")
+    U = torch.full((3, 4), inf)
+    U[0, 2] = 0.0
+    U[1, 1] = 0.0
+    U[2, 3] = 0.0
+    for N in (1, 2, 3, 4, 50):
+        t = expand_trees(U, 0, k=2, max_nodes=N)[0]
+        assert t.tokens == [2, 1, 3][: N - 1]
+        assert t.parents == [-1, 0, 1][: N - 1]
+
+
+def test_rank_nodes_tie_breaking():
+    scores = torch.tensor([[0.0, -1.0, -2.0, -1.0, -1.0, 0.0, -2.0]])
+    depths = torch.tensor([[0, 1, 1, 2, 1, 3, 2]])
+    # score desc; then depth asc; then id asc
+    assert rank_nodes(scores, depths).tolist() == [[0, 5, 1, 4, 3, 2, 6]]
+
+
+def test_equal_scores_frontier_and_selection_by_stable_id():
+    """Two siblings with exactly equal probability: the frontier and the final ranking keep
+    the earlier pool id first, and the result does not depend on the batch."""
+    inf = float("-inf")
+    U = torch.full((2, 5), inf)
+    U[0, 1] = U[0, 3] = 0.0  # two equally likely root children
+    U[1, 4] = 0.0
+    t = expand_trees(U, 0, k=1, max_nodes=10)[0]
+    assert t.tokens == [1, 4] and t.parents == [-1, 0]  # argmax: the first maximal token
+    t2 = expand_trees(U, 0, k=2, max_nodes=10)[0]
+    assert sorted(t2.tokens[:2]) == [1, 3] and t2.parents == [-1, -1, 0, 1]
+    assert t2.tokens[2:] == [4, 4]
+
+
+@pytest.mark.parametrize("mode", ["pctree", "shared", "chain"])
+def test_batched_expansion_equals_per_request(mode):
+    dr = make_drafter(seed=2, kind="gated")
+    g = torch.Generator().manual_seed(4)
+    U = torch.randn(4, dr.block_size, V, generator=g) * 2
+    h = torch.randn(4, dr.block_size, D, generator=g)
+    roots = [3, 50, 3, 77]
+    batched = expand_trees(U, roots, markov=dr.markov_head, hidden=h, k=3, max_nodes=12, mode=mode)
+    for i in range(4):
+        single = expand_trees(U[i], roots[i], markov=dr.markov_head, hidden=h[i], k=3, max_nodes=12,
+                              mode=mode)[0]
+        assert batched[i].tokens == single.tokens and batched[i].parents == single.parents
+
+
+def test_shared_mode_uses_chain_distribution():
+    dr = make_drafter(seed=6, std=1.0)
+    U = torch.randn(dr.block_size, V, generator=torch.Generator().manual_seed(8)) * 2
+    t = expand_trees(U, 5, markov=dr.markov_head, k=3, max_nodes=40, mode="shared")[0]
+    depths = t.depths()
+    kids: dict[int, set] = {}
+    for i, p in enumerate(t.parents):
+        if p >= 0 and sum(1 for q in t.parents if q == p) == 3:
+            kids.setdefault(depths[i], set()).add(tuple(sorted(t.tokens[j] for j, q in enumerate(t.parents) if q == p)))
+    assert kids and all(len(v) == 1 for v in kids.values())  # same children under every parent
+    chain = expand_trees(U, 5, markov=dr.markov_head, k=1, max_nodes=40, mode="chain")[0]
+    # the chain itself is in the shared tree (top-1 child at every depth)
+    cur, path = -1, []
+    for tok in chain.tokens:
+        nxt = [i for i, p in enumerate(t.parents) if p == cur and t.tokens[i] == tok]
+        if not nxt:
+            break
+        cur = nxt[0]
+        path.append(tok)
+    assert len(path) >= 2
+
+
+def test_depth_limits_stages():
+    dr = make_drafter()
+    U = torch.randn(dr.block_size, V)
+    t = expand_trees(U, 1, markov=dr.markov_head, k=2, max_nodes=100, depth=2)[0]
+    assert max(t.depths()) == 2 and t.num_nodes == pool_capacity(2, 2) - 1
+    with pytest.raises(ValueError, match="exceeds the block size"):
+        expand_trees(U, 1, markov=dr.markov_head, k=2, max_nodes=10, depth=dr.block_size + 1)
+
+
+# ---------------------------------------------------------------------------------------
+# checkpoint
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("compact", [True, False])
+def test_loader_round_trip(tmp_path, compact):
+    dr = make_drafter(conf=True, shared=compact)
+    save_drafter(dr, tmp_path, dtype=None)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["vllm_ptd_shared_embeddings"] is compact
+    names = set(read_tensor_shapes(tmp_path))
+    assert ("embed_tokens.weight" in names) is (not compact)
+    assert {"fc.weight", "hidden_norm.weight", "markov_head.markov_w1.weight",
+            "markov_head.markov_w2.weight", "confidence_head.proj.weight",
+            "layers.1.self_attn.k_norm.weight", "layers.0.mlp.down_proj.weight"} <= names
+    assert check_drafter_fits(tmp_path, TARGET).block_size == dr.block_size
+    emb = (dr.embed_tokens.weight.detach().clone(), dr.lm_head.weight.detach().clone())
+    dr2 = load_drafter(tmp_path, TARGET, emb if compact else None)
+    for (k1, a), (k2, b) in zip(dr.state_dict().items(), dr2.state_dict().items()):
+        assert k1 == k2 and torch.equal(a, b), k1
+    c1, c2 = dr.new_context(), dr2.new_context()
+    r = rows(9, 2)
+    dr.append_context(c1, r, 0)
+    dr2.append_context(c2, r, 0)
+    torch.testing.assert_close(dr.draft_block(c1, 3)[0], dr2.draft_block(c2, 3)[0])
+    assert dr2.confidence(dr2.draft_block(c2, 3)[1], torch.zeros(dr.block_size, dtype=torch.long)).shape == (dr.block_size,)
+
+
+def test_compact_needs_target_embeddings(tmp_path):
+    save_drafter(make_drafter(), tmp_path)
+    with pytest.raises(ValueError, match="compact"):
+        load_drafter(tmp_path, TARGET)
+
+
+def _rewrite(tmp_path, cfg_update=None, drop=None):
+    from safetensors.torch import load_file, save_file
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.update(cfg_update or {})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    if drop:
+        t = load_file(str(tmp_path / "model.safetensors"))
+        t.pop(drop)
+        save_file(t, str(tmp_path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("change,target_change,message", [
+    (None, {"vocab_size": V + 1}, "vocabulary size: drafter 96, target 97"),
+    (None, {"hidden_size": 48}, "hidden size: drafter 32, target 48"),
+    ({"target_layer_ids": [0, 2, 9]}, None, "out of range"),
+    ({"target_layer_ids": [0, 2, 5]}, None, "final layer 5"),
+    (None, {"num_hidden_layers": 8}, "target layer count"),
+    ({"architectures": ["LlamaForCausalLM"]}, None, "Qwen3DSparkModel"),
+    ({"markov_rank": 16}, None, "markov_head.markov_w1.weight has shape [96, 8], expected [96, 16]"),
+    ({"markov_head_type": "rnn"}, None, "markov_head_type='rnn' is not supported"),
+    ({"vllm_ptd_shared_embeddings": False}, None, "missing tensors: ['embed_tokens.weight', 'lm_head.weight']"),
+    ({"mask_token_id": 500}, None, "mask_token_id 500"),
+])
+def test_mismatched_checkpoint_refused(tmp_path, change, target_change, message):
+    dr = make_drafter()
+    save_drafter(dr, tmp_path)
+    _rewrite(tmp_path, change)
+    target = dict(TARGET, **(target_change or {}))
+    emb = dr.embed_tokens.weight.detach()
+    with pytest.raises(ValueError) as e1:
+        check_drafter_fits(tmp_path, target)
+    with pytest.raises(ValueError) as e2:
+        load_drafter(tmp_path, target, emb)
+    assert message in str(e1.value) and message in str(e2.value)
+
+
+def test_missing_tensor_refused(tmp_path):
+    dr = make_drafter()
+    save_drafter(dr, tmp_path)
+    _rewrite(tmp_path, drop="layers.1.mlp.up_proj.weight")
+    with pytest.raises(ValueError, match=r"missing tensors: \['layers.1.mlp.up_proj.weight'\]"):
+        load_drafter(tmp_path, TARGET, dr.embed_tokens.weight.detach())
+
+
+def test_check_reads_headers_only(tmp_path):
+    dr = make_drafter()
+    save_drafter(dr, tmp_path)
+    f = tmp_path / "model.safetensors"
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    f.write_bytes(raw[: 8 + n])  # header only: the cheap check must not need the data
+    assert check_drafter_fits(tmp_path, TARGET).markov_rank == 8
+    assert set(read_tensor_shapes(tmp_path)) == set(expected_tensor_shapes(dr.config))
+
+
+# ---------------------------------------------------------------------------------------
+# method
+# ---------------------------------------------------------------------------------------
+
+
+def test_method_lifecycle_and_batching(tmp_path):
+    dr = make_drafter(seed=4)
+    save_drafter(dr, tmp_path)
+    emb = dr.embed_tokens.weight.detach()
+    m = PCTreeMethod(PCTreeConfig(model=str(tmp_path), branching=3, max_nodes=9), TARGET, emb)
+    assert m.needs_hidden and m.hidden_layer_ids == (1, 3, 5)
+    assert m.max_tree_nodes == 8
+    m.start("a", list(range(5)), rows(5, 1))
+    m.start("b", list(range(9)), rows(9, 2))
+    m.start("c", list(range(12)), rows(4, 3))  # only the last rows (cached prefix)
+    trees = m.propose(["a", "zzz", "b", "c"], [7, 1, 8, 9])
+    assert trees[1].num_nodes == 0
+    for i, rid in ((0, "a"), (2, "b"), (3, "c")):
+        assert trees[i].num_nodes == 8
+        assert m.propose([rid], [[7, 1, 8, 9][i]])[0].tokens == trees[i].tokens
+    with pytest.raises(ValueError, match="rows"):
+        m.observe(["a"], [StepOutcome(tree=trees[0], root_argmax=0, node_argmax=[], accepted=[0],
+                                      committed=[1, 2], hidden=rows(1, 5))])
+    with pytest.raises(ValueError, match="StepOutcome.hidden"):
+        m.observe(["a"], [StepOutcome(tree=trees[0], root_argmax=0, node_argmax=[], accepted=[],
+                                      committed=[1])])
+    m.observe(["a"], [StepOutcome(tree=trees[0], root_argmax=0, node_argmax=[], accepted=[0],
+                                  committed=[1, 2], hidden=rows(2, 5).view(2, 3, D).transpose(0, 1))])
+    assert m._reqs["a"].ctx.next_position == 7 and m._reqs["c"].ctx.next_position == 12
+    assert m.num_requests() == 3 and m.has("b")
+    m.finish("b")
+    m.finish("nope")
+    assert m.num_requests() == 2 and not m.has("b")
+    with pytest.raises(ValueError, match="prompt's hidden states"):
+        m.start("d", [1, 2, 3])
+
+
+def test_method_refuses_depth_beyond_block():
+    with pytest.raises(ValueError, match="block size"):
+        PCTreeMethod(PCTreeConfig(depth=9), TARGET, drafter=make_drafter())
+
+
+def test_missing_drafter_says_how_to_train(monkeypatch, tmp_path):
+    import vllm_ptd.pctree.method as pm
+    monkeypatch.delenv(pm.ENV_DRAFTER, raising=False)
+    monkeypatch.setattr(pm, "PACKAGED_DRAFTERS", tmp_path / "none")
+    with pytest.raises(ValueError, match="train_dspark.py"):
+        PCTreeMethod(PCTreeConfig(), TARGET)
+    dr = make_drafter()
+    save_drafter(dr, tmp_path / "d")
+    monkeypatch.setenv(pm.ENV_DRAFTER, str(tmp_path / "d"))
+    m = PCTreeMethod(PCTreeConfig(), TARGET, dr.embed_tokens.weight.detach())
+    assert m.drafter_path == tmp_path / "d" and m.depth == dr.block_size
+
+
+def test_markov_head_bias_is_low_rank_product():
+    mh = MarkovHead(V, 4)
+    p = torch.tensor([[3, 5]])
+    b = mh.bias(p)
+    torch.testing.assert_close(b[0, 1], mh.markov_w2.weight @ mh.markov_w1.weight[5])

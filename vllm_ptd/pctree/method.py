@@ -1,0 +1,209 @@
+"""PCTree as a :class:`~vllm_ptd.method.TreeMethod`: a DSpark drafter plus parent-conditioned
+tree expansion, per-request drafter context, no vLLM.
+
+Hidden states. ``needs_hidden = True`` and ``hidden_layer_ids`` are indices into Hugging
+Face's ``output_hidden_states`` tuple: 0 = the embeddings, j = the output of decoder layer
+j-1 = the input of decoder layer j (what vLLM's EAGLE-3 auxiliary hidden-state taps at layer
+j return). They are the drafter's DeepSpec ``target_layer_ids`` plus one. The method takes
+hidden rows as ``[rows, len(hidden_layer_ids) * hidden_size]``, the tapped states
+concatenated in ``hidden_layer_ids`` order (:func:`~vllm_ptd.pctree.drafter.tap_hidden_states`
+builds it from an HF ``hidden_states`` tuple); a ``[len(hidden_layer_ids), rows,
+hidden_size]`` stack or a list of per-layer ``[rows, hidden_size]`` tensors is accepted too.
+
+Per request:
+
+* ``start``: ``prompt_hidden`` holds the prompt rows (all of them, or the last ones when a
+  prefix was cached: rows are aligned to the end of the prompt); they become the drafter
+  context at positions ``0 .. len(prompt)-1``. The first generated token (at position
+  ``len(prompt)``) is the first root.
+* ``observe``: ``outcome.hidden`` holds the rows ``[root, *accepted]`` of the forward; they
+  are appended at the next positions. The new root (the bonus token) has no hidden state
+  yet, so the context always ends right before the root, as in DeepSpec.
+* ``propose``: one batched backbone call for all requests (block ``[root, MASK...]`` at the
+  root's position), then one batched expansion (``mode``/``k``/``N``/``depth`` from
+  :class:`~vllm_ptd.config.PCTreeConfig`). Unknown requests get an empty tree.
+* State is bounded: a request's context is a sliding window of at most ``max_context`` rows,
+  and everything is dropped on ``finish``.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_ptd.config import PCTreeConfig
+from vllm_ptd.method import StepOutcome, TreeMethod
+from vllm_ptd.pctree.checkpoint import check_drafter_fits, load_drafter, target_config_dict
+from vllm_ptd.pctree.drafter import DraftContext, DSparkDrafter
+from vllm_ptd.pctree.expand import expand_trees
+from vllm_ptd.tree import FlatTree
+
+__all__ = ["ENV_DRAFTER", "PACKAGED_DRAFTERS", "DEFAULT_DRAFTER", "PCTreeMethod",
+           "packaged_drafters", "resolve_drafter_path"]
+
+ENV_DRAFTER = "VLLM_PTD_DSPARK"
+PACKAGED_DRAFTERS = Path(__file__).resolve().parent / "drafters"
+DEFAULT_DRAFTER = "dspark-smollm2-135m"
+
+_TRAIN_HINT = ("train one with `python scripts/train_dspark.py --out <folder>` (about an hour on "
+               "two CPU cores for SmolLM2-135M-Instruct), or download a DeepSpec DSpark checkpoint "
+               "for your target (e.g. deepseek-ai/dspark_qwen3_4b_block7), then pass it as "
+               f"speculative_config['model'] or set ${ENV_DRAFTER}=<folder>")
+
+
+def packaged_drafters() -> list[Path]:
+    """Drafter folders shipped in the package, the default one first."""
+    if not PACKAGED_DRAFTERS.is_dir():
+        return []
+    found = sorted(p for p in PACKAGED_DRAFTERS.iterdir() if (p / "config.json").is_file())
+    found.sort(key=lambda p: p.name != DEFAULT_DRAFTER)
+    return found
+
+
+def resolve_drafter_path(model: str | None, target_config: Any) -> Path:
+    """Where the drafter comes from: ``model`` when given; else a packaged drafter that fits
+    the target; else ``$VLLM_PTD_DSPARK``; else a ValueError saying how to get one."""
+    if model:
+        p = Path(model).expanduser()
+        if not p.is_dir():
+            raise ValueError(f"PCTree drafter {model!r} is not a folder; {_TRAIN_HINT}")
+        return p
+    reasons = []
+    for p in packaged_drafters():
+        try:
+            check_drafter_fits(p, target_config)
+            return p
+        except ValueError as e:
+            reasons.append(str(e))
+    env = os.environ.get(ENV_DRAFTER)
+    if env:
+        p = Path(env).expanduser()
+        if not p.is_dir():
+            raise ValueError(f"${ENV_DRAFTER}={env!r} is not a folder")
+        return p
+    why = f" (packaged drafters do not fit: {' | '.join(reasons)})" if reasons else ""
+    raise ValueError(f"no PCTree drafter for this target{why}: {_TRAIN_HINT}")
+
+
+class _Request:
+    __slots__ = ("ctx", "steps")
+
+    def __init__(self, ctx: DraftContext):
+        self.ctx = ctx
+        self.steps = 0
+
+
+class PCTreeMethod(TreeMethod):
+    """PCTree (or its chain / Shared-Markov controls) over a DSpark drafter.
+
+    ``PCTreeMethod(config, target_config, target_embeddings=None, *, drafter=None,
+    dtype=torch.float32, device="cpu", max_context=4096)``
+
+    * ``config``: :class:`PCTreeConfig` (``model``: drafter folder or None for the default
+      lookup, see :func:`resolve_drafter_path`; ``branching`` k; ``max_nodes`` N including
+      the root; ``depth`` B or None for the drafter's block size; ``mode``).
+    * ``target_config``: the target's HF config (``PretrainedConfig``, dict, or model folder).
+    * ``target_embeddings``: the target's embedding / lm_head weights (tensor when tied, a
+      pair, or a dict); needed by compact drafters unless ``target_config`` names the
+      target's folder.
+    * ``drafter``: an already built :class:`DSparkDrafter` (skips loading; tests).
+    """
+
+    needs_hidden = True
+
+    def __init__(self, config: PCTreeConfig, target_config: Any, target_embeddings: Any = None, *,
+                 drafter: DSparkDrafter | None = None, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", max_context: int | None = 4096):
+        if not isinstance(config, PCTreeConfig):
+            raise ValueError(f"PCTreeMethod needs a PCTreeConfig, got {type(config).__name__}")
+        self.config = config
+        self.target_config = target_config_dict(target_config)
+        if drafter is None:
+            path = resolve_drafter_path(config.model, target_config)
+            drafter = load_drafter(path, target_config, target_embeddings, dtype=dtype, device=device)
+            self.drafter_path: Path | None = path
+        else:
+            self.drafter_path = None
+        self.drafter = drafter.eval()
+        block = drafter.block_size
+        depth = block if config.depth is None else config.depth
+        if depth > block:
+            raise ValueError(f"speculative_config['depth'] = {depth} exceeds the drafter's block size {block}")
+        self.depth = depth
+        self.k = 1 if config.mode == "chain" else config.branching
+        self.max_nodes = config.max_nodes
+        self.mode = config.mode
+        self.hidden_layer_ids = tuple(drafter.hidden_layer_ids)
+        if max(self.hidden_layer_ids) > int(self.target_config["num_hidden_layers"]) - 1:
+            raise ValueError(f"drafter taps hidden states {self.hidden_layer_ids}, beyond the target's "
+                             f"{self.target_config['num_hidden_layers']} layers")
+        self.max_context = max_context
+        self._reqs: dict[str, _Request] = {}
+
+    # ---- TreeMethod -------------------------------------------------------------------
+    @property
+    def max_tree_nodes(self) -> int:
+        return max(0, min(self.max_nodes - 1, self.k + max(0, self.depth - 1) * self.k * self.k))
+
+    def has(self, req_id: str) -> bool:
+        return req_id in self._reqs
+
+    def num_requests(self) -> int:
+        return len(self._reqs)
+
+    def start(self, req_id: str, prompt_token_ids: list[int], prompt_hidden: torch.Tensor | None = None) -> None:
+        if prompt_hidden is None:
+            raise ValueError("PCTree needs the prompt's hidden states (needs_hidden=True): pass "
+                             f"prompt_hidden tapped at hidden_layer_ids={self.hidden_layer_ids}")
+        rows = self.drafter._as_rows(prompt_hidden)
+        P = len(prompt_token_ids)
+        if rows.shape[0] > P:
+            raise ValueError(f"prompt_hidden has {rows.shape[0]} rows for a {P}-token prompt")
+        ctx = self.drafter.new_context(self.max_context)
+        self.drafter.append_context(ctx, rows, P - rows.shape[0])
+        ctx.next_position = P
+        self._reqs[req_id] = _Request(ctx)
+
+    def observe(self, req_ids: list[str], outcomes: list[StepOutcome]) -> None:
+        if len(req_ids) != len(outcomes):
+            raise ValueError(f"{len(req_ids)} request ids but {len(outcomes)} outcomes")
+        for rid, out in zip(req_ids, outcomes):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            if out.hidden is None:
+                raise ValueError(f"request {rid!r}: PCTree needs StepOutcome.hidden (rows of "
+                                 f"[root, *accepted] at hidden_layer_ids={self.hidden_layer_ids})")
+            rows = self.drafter._as_rows(out.hidden)
+            want = 1 + len(out.accepted)
+            if rows.shape[0] != want:
+                raise ValueError(f"request {rid!r}: StepOutcome.hidden has {rows.shape[0]} rows, "
+                                 f"expected {want} (root + {len(out.accepted)} accepted)")
+            self.drafter.append_context(st.ctx, rows)
+            st.steps += 1
+
+    @torch.no_grad()
+    def propose(self, req_ids: list[str], last_tokens: list[int]) -> list[FlatTree]:
+        if len(req_ids) != len(last_tokens):
+            raise ValueError(f"{len(req_ids)} request ids but {len(last_tokens)} last tokens")
+        live = [i for i, r in enumerate(req_ids) if r in self._reqs]
+        out = [FlatTree() for _ in req_ids]
+        if not live or self.max_nodes < 2 or self.depth == 0:
+            return out
+        ctxs = [self._reqs[req_ids[i]].ctx for i in live]
+        roots = [int(last_tokens[i]) for i in live]
+        U, h = self.drafter.draft_block(ctxs, roots)
+        trees = expand_trees(U, roots, markov=self.drafter.markov_head, hidden=h, k=self.k,
+                             max_nodes=self.max_nodes, depth=self.depth, mode=self.mode)
+        for i, t in zip(live, trees):
+            out[i] = t
+        return out
+
+    def finish(self, req_id: str) -> None:
+        self._reqs.pop(req_id, None)
+
+    # ---- diagnostics ------------------------------------------------------------------
+    def state_bytes(self) -> int:
+        return sum(r.ctx.nbytes() for r in self._reqs.values())
