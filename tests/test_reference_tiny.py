@@ -175,10 +175,26 @@ def test_eos_inside_a_multi_token_step(engine, prompts):
         stop = engine.generate(p, 60)
         m = ScriptedMethod(p + plain.tokens, depth=8, seed=3)
         spec = engine.generate(p, 60, m)
+        ignored = engine.generate(p, 60, ScriptedMethod(p + plain.tokens, depth=8),
+                                  ignore_eos=True)
     finally:
         engine.eos_token_ids = saved
     assert stop.tokens == plain.tokens[: i + 1] and stop.finish_reason == "eos"
     assert spec.tokens == stop.tokens and spec.finish_reason == "eos"
+    assert ignored.tokens == plain.tokens[:60] and ignored.finish_reason == "length"
+
+
+def test_top2_gaps(engine, prompts):
+    p = prompts[3]
+    plain = engine.generate(p, 20)
+    spec = engine.generate(p, 20, ScriptedMethod(p + plain.tokens, depth=6))
+    forced = engine.top2_gaps(p, plain.tokens)
+    assert len(plain.top2_gaps) == len(spec.top2_gaps) == len(forced) == len(plain.tokens)
+    assert all(g >= 0 for g in forced)
+    torch.testing.assert_close(torch.tensor(plain.top2_gaps), torch.tensor(forced),
+                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.tensor(spec.top2_gaps), torch.tensor(forced),
+                               atol=1e-4, rtol=1e-4)
 
 
 def test_sampling_reproducible(engine, prompts):

@@ -81,17 +81,15 @@ class ReferenceEngine:
                              f"max_position_embeddings={limit}")
         self.max_model_len = int(max_model_len)
         self.tokenizer = _load_tokenizer(model_path)
-        ids: list[int] = []
         try:
             gen_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
         except OSError:
             gen_eos = None
-        for src in (gen_eos, cfg.eos_token_id,
-                    self.tokenizer.eos_token_id if self.tokenizer is not None else None):
-            for t in ([src] if isinstance(src, int) else (src or [])):
-                if t not in ids:
-                    ids.append(int(t))
-        self.eos_token_ids: tuple[int, ...] = tuple(ids)
+        tok_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        #: decoding stops after any of these (generation config, model config, tokenizer)
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(
+            int(t) for src in (gen_eos, cfg.eos_token_id, tok_eos)
+            for t in ([src] if isinstance(src, int) else (src or []))))
 
     # ---------------------------------------------------------------- building blocks
 
@@ -117,7 +115,7 @@ class ReferenceEngine:
         ids = torch.tensor([prompt], device=self.device)
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
                          output_hidden_states=bool(hidden_layer_ids))
-        hidden = _tap(out.hidden_states, hidden_layer_ids, slice(None))
+        hidden = _tap(out.hidden_states, hidden_layer_ids)
         return DecodeState(prompt, len(prompt), cache), out.logits[0, -1], hidden
 
     @torch.inference_mode()
@@ -142,7 +140,7 @@ class ReferenceEngine:
         out = self.model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask,
                          past_key_values=state.cache, use_cache=True,
                          output_hidden_states=bool(hidden_layer_ids))
-        return out.logits[0], _tap(out.hidden_states, hidden_layer_ids, slice(None))
+        return out.logits[0], _tap(out.hidden_states, hidden_layer_ids)
 
     @torch.inference_mode()
     def keep(self, state: DecodeState, accepted: list[int], committed: list[int]) -> None:
@@ -174,13 +172,14 @@ class ReferenceEngine:
         argmax = logits.argmax(-1).tolist()
         return greedy_walk(tree, argmax[0], argmax[1:])
 
-    def _cut(self, committed: list[int], state: DecodeState, max_new_tokens: int
-             ) -> tuple[list[int], str | None]:
-        """Cut a step's committed tokens exactly where plain decoding would stop."""
+    def _cut(self, committed: list[int], state: DecodeState, max_new_tokens: int,
+             ignore_eos: bool = False) -> tuple[list[int], str | None]:
+        """Cut a step's committed tokens exactly where plain decoding would stop; the reason
+        when it stops ("eos", "length", "context"), else None."""
         out_len = len(state.tokens) - state.prompt_len
         room = min(max_new_tokens - out_len, self.max_model_len - len(state.tokens))
         for i, t in enumerate(committed[:room]):
-            if t in self.eos_token_ids:
+            if t in self.eos_token_ids and not ignore_eos:
                 return committed[: i + 1], "eos"
         if len(committed) >= room:
             reason = "length" if max_new_tokens - out_len <= room else "context"
@@ -192,11 +191,11 @@ class ReferenceEngine:
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens: int, method: TreeMethod | None = None,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1,
-                 seed: int = 0, req_id: str = "ref") -> Generation:
+                 seed: int = 0, ignore_eos: bool = False, req_id: str = "ref") -> Generation:
         """Decode one sequence: plain (one token per forward) without ``method``, else one
         tree step per forward. Greedy when ``temperature == 0``, else sampled from the
         target distribution (``target_probs``) with a generator seeded by ``seed``.
-        ``req_id`` names the request to the method (which may seed from it)."""
+        ``req_id`` names the request to the method."""
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if temperature > 0:
@@ -213,7 +212,7 @@ class ReferenceEngine:
 
         state, logits, prompt_hidden = self.prefill(prompt, layers)
         _, committed = self._verify(_EMPTY, logits[None], temperature, top_p, top_k, generator)
-        committed, reason = self._cut(committed, state, max_new_tokens)
+        committed, reason = self._cut(committed, state, max_new_tokens, ignore_eos)
         state.tokens.extend(committed)
         gen.top2_gaps += _gaps(logits[None])
         try:
@@ -229,7 +228,7 @@ class ReferenceEngine:
                 logits, hidden = self.forward_tree(state, tree, layers)
                 accepted, committed = self._verify(tree, logits, temperature, top_p, top_k,
                                                    generator)
-                committed, reason = self._cut(committed, state, max_new_tokens)
+                committed, reason = self._cut(committed, state, max_new_tokens, ignore_eos)
                 accepted = accepted[: len(committed)]
                 rows = [0, *(a + 1 for a in accepted)][: len(committed)]
                 gen.top2_gaps += _gaps(logits[rows])
@@ -270,10 +269,11 @@ def _gaps(logits: torch.Tensor) -> list[float]:
     return (top[:, 0] - top[:, 1]).tolist()
 
 
-def _tap(hidden_states, layer_ids: tuple[int, ...], rows) -> torch.Tensor | None:
+def _tap(hidden_states, layer_ids: tuple[int, ...]) -> torch.Tensor | None:
+    """HF ``hidden_states[i]`` (0 = embeddings, i = after layer i) of every row, concatenated."""
     if not layer_ids:
         return None
-    return torch.cat([hidden_states[i][0, rows] for i in layer_ids], dim=-1)
+    return torch.cat([hidden_states[i][0] for i in layer_ids], dim=-1)
 
 
 def _load_tokenizer(model_path: str):
