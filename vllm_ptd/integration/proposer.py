@@ -105,21 +105,32 @@ class TreeProposer:
         return self.kind == "pctree"
 
     def hidden_layer_ids(self) -> tuple[int, ...]:
-        from vllm_ptd.pctree.method import PCTreeMethod
+        """The target layers PCTree's drafter reads (HF ``output_hidden_states`` indices,
+        which are also vLLM's EAGLE-3 aux-layer indices: the input of that layer). Read from
+        the drafter's config, as the GPU runner asks before the drafter is loaded."""
+        from vllm_ptd.pctree.checkpoint import read_drafter_config
+        from vllm_ptd.pctree.drafter import hidden_layer_ids_from_target_layer_ids
+        from vllm_ptd.pctree.method import resolve_drafter_path
 
-        return PCTreeMethod.layer_ids_for(self.options, self.model_config.hf_config)
+        path = resolve_drafter_path(self.options.model, self.model_config.hf_config)
+        return hidden_layer_ids_from_target_layer_ids(read_drafter_config(path).target_layer_ids)
 
     def bind(self, runner) -> None:
         self.runner = runner
 
     def load_model(self, target_model) -> None:
-        """vLLM's CPU runner calls this after loading the target (GPU: the runner patch)."""
-        if self.kind == "pctree" and self.method is None:
-            from vllm_ptd.pctree.method import PCTreeMethod
+        """vLLM's CPU runner calls this after loading the target (GPU: the runner patch).
+        PCTree's compact drafter shares the target's embedding and lm_head."""
+        if self.kind != "pctree" or self.method is not None:
+            return
+        from vllm_ptd.pctree.method import PCTreeMethod
 
-            self.method = PCTreeMethod.from_vllm_model(
-                self.options, self.model_config.hf_config, target_model,
-                eos_token_ids=_eos_ids(self.model_config))
+        vocab = self.model_config.hf_config.vocab_size
+        embed = target_model.get_input_embeddings().weight[:vocab]
+        lm_head = getattr(target_model, "lm_head", None)
+        head = lm_head.weight[:vocab] if lm_head is not None and hasattr(lm_head, "weight") else embed
+        self.method = PCTreeMethod(self.options, self.model_config.hf_config, (embed, head),
+                                   dtype=embed.dtype, device=embed.device)
 
     # ---- request life cycle -----------------------------------------------------------
     def forget(self, req_ids) -> None:
