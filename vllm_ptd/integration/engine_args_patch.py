@@ -74,8 +74,10 @@ class EngineArgsPatch(Patch):
             self.compilation_config.cudagraph_mode = "PIECEWISE"
         config = self._orig_create_engine_config(*args, **kwargs)
         if ours["method"] == "pctree":
-            from vllm_ptd.pctree.checkpoint import check_drafter_fits, default_drafter_path
+            # refuse a drafter that does not fit here, before any engine process starts
+            from vllm_ptd.pctree.checkpoint import check_drafter_fits
+            from vllm_ptd.pctree.method import resolve_drafter_path
 
-            path = ours["options"]["model"] or default_drafter_path()
-            check_drafter_fits(path, config.model_config.hf_config)
+            hf_config = config.model_config.hf_config
+            check_drafter_fits(resolve_drafter_path(ours["options"]["model"], hf_config), hf_config)
         return config

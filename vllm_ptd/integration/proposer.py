@@ -126,7 +126,7 @@ class TreeProposer:
         from vllm_ptd.pctree.method import PCTreeMethod
 
         vocab = self.model_config.hf_config.vocab_size
-        embed = target_model.get_input_embeddings().weight[:vocab]
+        embed = target_model.model.embed_tokens.weight[:vocab]  # vLLM's decoder-only layout
         lm_head = getattr(target_model, "lm_head", None)
         head = lm_head.weight[:vocab] if lm_head is not None and hasattr(lm_head, "weight") else embed
         self.method = PCTreeMethod(self.options, self.model_config.hf_config, (embed, head),
