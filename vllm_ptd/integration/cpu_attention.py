@@ -15,7 +15,6 @@ layout never appears.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -39,6 +38,22 @@ def gather_kv_vec(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int
     k = k.permute(1, 0, 2, 3).reshape(kvh, -1, d)[:, :seq_len]
     v = v.permute(1, 0, 2, 3).reshape(kvh, -1, d)[:, :seq_len]
     return k, v
+
+
+def grouped_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of m query rows [m, Hq, D] over keys/values [Hkv, s, D] with a [m, s] bool
+    mask, grouped-query style without repeating K/V: the query heads sharing a KV head are
+    stacked into one batched matmul per KV head. fp32 softmax; returns [m, Hq, D]."""
+    m, hq, d = q.shape
+    hkv = k.shape[0]
+    rep = hq // hkv
+    qg = q.float().reshape(m, hkv, rep, d).permute(1, 2, 0, 3).reshape(hkv, rep * m, d)
+    scores = torch.bmm(qg, k.float().transpose(1, 2)) * scale  # [hkv, rep*m, s]
+    scores = scores.view(hkv, rep, m, -1).masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(hkv, rep * m, -1)
+    o = torch.bmm(probs, v.float())  # [hkv, rep*m, d]
+    return o.view(hkv, rep, m, d).permute(2, 0, 1, 3).reshape(m, hq, d)
 
 
 class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -86,12 +101,8 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
                                               step.rows.masks):
             nblocks = (seq_len + bs - 1) // bs
             k, v = gather_kv_vec(kv_cache, block_table[b, :nblocks].long(), seq_len)
-            q = query[row: row + m].transpose(0, 1).float()  # [H, m, D]
-            rep = self.num_queries_per_kv
-            k = k.float().repeat_interleave(rep, dim=0)
-            v = v.float().repeat_interleave(rep, dim=0)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-            out[row: row + m] = o.transpose(0, 1).to(out.dtype)
+            o = grouped_masked_attention(query[row: row + m], k, v, mask, self.scale)
+            out[row: row + m] = o.to(out.dtype)
         return output
 
 
