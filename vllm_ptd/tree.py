@@ -42,8 +42,6 @@ class FlatTree:
         for i, p in enumerate(self.parents):
             if not -1 <= p < i:
                 raise ValueError(f"node {i} has parent {p}: parents must come before children")
-            if i < self.num_verify and p >= self.num_verify:
-                raise ValueError(f"verified node {i} hangs under draft node {p}")
 
     @property
     def num_nodes(self) -> int:
