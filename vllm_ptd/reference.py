@@ -164,12 +164,14 @@ class ReferenceEngine:
             layer.values = layer.values[:, :, : past + len(rows)]
         state.tokens.extend(committed)
 
-    def _verify(self, tree: FlatTree, logits: torch.Tensor, temperature: float, top_p: float,
-                top_k: int, generator: torch.Generator | None) -> tuple[list[int], list[int]]:
+    def _verify(self, tree: FlatTree, logits: torch.Tensor, argmax: list[int],
+                temperature: float, top_p: float, top_k: int,
+                generator: torch.Generator | None) -> tuple[list[int], list[int]]:
+        """(accepted nodes, committed tokens): greedy walk on the rows' argmax, or the lossless
+        sampling walk on the target distribution when ``temperature > 0``."""
         if temperature > 0:
             probs = target_probs(logits[: 1 + tree.num_verify], temperature, top_p, top_k)
             return sampling_walk(tree, probs, generator)
-        argmax = logits.argmax(-1).tolist()
         return greedy_walk(tree, argmax[0], argmax[1:])
 
     def _cut(self, committed: list[int], state: DecodeState, max_new_tokens: int,
@@ -211,7 +213,8 @@ class ReferenceEngine:
         layers = tuple(method.hidden_layer_ids) if method is not None and method.needs_hidden else ()
 
         state, logits, prompt_hidden = self.prefill(prompt, layers)
-        _, committed = self._verify(_EMPTY, logits[None], temperature, top_p, top_k, generator)
+        _, committed = self._verify(_EMPTY, logits[None], [int(logits.argmax())], temperature,
+                                    top_p, top_k, generator)
         committed, reason = self._cut(committed, state, max_new_tokens, ignore_eos)
         state.tokens.extend(committed)
         gen.top2_gaps += _gaps(logits[None])
@@ -226,8 +229,9 @@ class ReferenceEngine:
                     # deepest row stays < max_model_len and accepted + bonus fit the context
                     tree = tree.truncated(self.max_model_len - len(state.tokens) - 1)
                 logits, hidden = self.forward_tree(state, tree, layers)
-                accepted, committed = self._verify(tree, logits, temperature, top_p, top_k,
-                                                   generator)
+                argmax = logits.argmax(-1).tolist()
+                accepted, committed = self._verify(tree, logits, argmax, temperature, top_p,
+                                                   top_k, generator)
                 committed, reason = self._cut(committed, state, max_new_tokens, ignore_eos)
                 accepted = accepted[: len(committed)]
                 rows = [0, *(a + 1 for a in accepted)][: len(committed)]
@@ -238,7 +242,6 @@ class ReferenceEngine:
                 gen.metrics.record(len(committed), len(accepted),
                                    tree.num_nodes - tree.num_verify, tree.num_verify)
                 if method is not None and reason is None:
-                    argmax = logits.argmax(-1).tolist()
                     method.observe([req_id], [StepOutcome(
                         tree=tree, root_argmax=argmax[0], node_argmax=argmax[1:],
                         accepted=accepted, committed=committed,
