@@ -1,0 +1,124 @@
+#!/usr/bin/env python
+"""A few-minute demo: plain decoding against vLLM's ngram, PTD (and PCTree when its drafter
+is there) on the embedded model, one prompt per benchmark, greedy, batch 1.
+
+Every engine is loaded at once in its own process and they take turns on each prompt (order
+rotating), as in scripts/benchmark.py; every figure printed is measured in this run.
+
+  bash scripts/demo.sh                  # set-up, then this
+  python scripts/demo.py [--max-tokens 128] [--repeats 1] [--out results/demo]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+SCRIPTS_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(SCRIPTS_DIR))
+
+import benchmark as bm  # noqa: E402
+
+DATASETS = ["mt_bench", "spec_bench", "gsm8k", "humaneval", "mbpp"]
+
+
+def pctree_drafter() -> tuple[bool, str]:
+    """(usable, why) for PCTree's packaged default drafter."""
+    try:
+        from vllm_ptd.pctree.checkpoint import default_drafter_path
+    except ImportError as e:
+        return False, f"vllm_ptd.pctree has no drafter loader yet ({e})"
+    try:
+        path = default_drafter_path()
+    except Exception as e:  # noqa: BLE001 - any failure means: no drafter to demo
+        return False, f"no default drafter ({type(e).__name__}: {e})"
+    if not path or not Path(path).exists():
+        return False, f"default drafter not found at {path}"
+    return True, str(path)
+
+
+def opts_dtype(dtype: str) -> str:
+    return "float32" if dtype == "fp32" else dtype
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="skip torch.compile: engines start faster, decode slower")
+    ap.add_argument("--out", default=str(bm.REPO / "results" / "demo"))
+    args = ap.parse_args(argv)
+    t0 = time.time()
+
+    from vllm_ptd.model_store import default_model_path
+
+    model = default_model_path()
+    labels = ["none", "ngram:6", "ptd"]
+    ok, why = pctree_drafter()
+    if ok:
+        labels.append("pctree")
+        print(f"[demo] PCTree drafter: {why}")
+    else:
+        print(f"[demo] PCTree left out: {why}")
+    methods = bm.parse_methods(",".join(labels))
+
+    prompts = bm.load_token_prompts(model, DATASETS, 1, None, 2048 - args.max_tokens)
+    print(f"[demo] model {model}; {len(prompts)} prompts (one per dataset), {args.max_tokens} new "
+          f"tokens, greedy, batch 1, {args.dtype}; engines: {', '.join(labels)}")
+    out = Path(args.out)
+    opts = {"model": model, "dtype": opts_dtype(args.dtype),
+            "max_model_len": 2048, "max_num_seqs": 1, "seed": 0,
+            "enforce_eager": args.enforce_eager, "prefix_caching": False,
+            "kv_cache_gib": 1.0 if opts_dtype(args.dtype) == "float32" else 0.5}
+    engines, failed = [], {}
+    try:
+        engines, failed = bm.start_engines(methods, opts, out / "logs", out / "traces", 2)
+        if "none" in failed:
+            print(f"[demo] the plain engine failed to start: {failed['none']}")
+            return 1
+        records = bm.run_interleaved(engines, prompts, [1], args.repeats, args.max_tokens,
+                                     settle=1.2, warmup=True)
+    finally:
+        bm.stop_engines(engines)
+    live = [e.label for e in engines if not e.error]
+    agg = bm.aggregate(records, live, prompts, [1], args.repeats)
+    get = {r["method"]: r for r in agg["rows"] if r["dataset"] == bm.ALL}
+
+    head = ["method", "tok/s", "speedup", "DE", "AL", "HR", "DE all", "identical"]
+    body = []
+    for lab in live:
+        r = get[lab]
+        s = r["spec"]
+        spec = s.get("source") is not None
+        body.append([lab, bm._pm(r["tok_s"], 1), bm._pm(r["speedup"]),
+                     bm._f(s.get("DE")) if spec else "—", bm._f(s.get("AL")) if spec else "—",
+                     bm._f(s.get("HR")) if spec else "—", bm._f(s.get("DE_all")),
+                     bm._ident(r)])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    line = lambda row: "  ".join(str(x).ljust(w) for x, w in zip(row, widths))  # noqa: E731
+    print()
+    print(line(head))
+    print(line(["-" * w for w in widths]))
+    for row in body:
+        print(line(row))
+    for lab, why in {**failed, **{e.label: e.error for e in engines if e.error}}.items():
+        print(f"(skipped {lab}: {why})")
+    print(f"\nDE = tokens per target forward on speculative steps, AL = tokens per step with an "
+          f"accepted draft, HR = share of such steps, DE all = tokens per forward over all steps "
+          f"(prefill and steps without a draft too); identical = outputs token-identical to "
+          f"plain decoding ({args.dtype}: bf16 flips near-ties, see --dtype float32). "
+          f"Wall time {time.time() - t0:.0f}s; engine logs in {out / 'logs'}.")
+    print("\nFull benchmark (all five datasets, batch sizes 1/4/16, every method, plots):\n"
+          "  .venv/bin/python scripts/benchmark.py --num-prompts 20 --repeats 3 --out results/bench\n"
+          "Cost of a forward against rows per step on this machine:\n"
+          "  .venv/bin/python scripts/benchmark.py --row-cost 1,8,16,32,64 --out results/rowcost\n"
+          "Serving (OpenAI API, concurrent streaming clients):\n"
+          "  .venv/bin/python scripts/bench_serving.py --methods none,ngram:6,ptd --clients 1,4")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
