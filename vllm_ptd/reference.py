@@ -11,6 +11,11 @@ path is compared with, so it is written to be read:
 * the accepted rows' KV moves to consecutive slots after the root, the rest is dropped;
 * plain decoding is the same step with an empty tree.
 
+A method is driven as vLLM drives it: the prefill gives the first token, then
+``start(req_id, prompt, prompt_hidden)``, then per step ``propose`` -> forward -> verify ->
+``observe(StepOutcome)`` (argmax of every row, accepted nodes, committed tokens, and for
+``needs_hidden`` methods the tapped hidden states of rows [root, *accepted]), and ``finish``.
+
 Stopping matches plain decoding token for token: a committed step is cut after the first EOS,
 at ``max_new_tokens`` and at ``max_model_len`` (prompt + output never exceed it, and the tree is
 cut so that no row sits at a position >= ``max_model_len``).
@@ -41,7 +46,8 @@ class Generation:
     accepted_per_step: list[int] = field(default_factory=list)  # accepted nodes (0: plain)
     finish_reason: str = "length"     # "eos", "length" (max_new_tokens) or "context"
     seconds: float = 0.0              # wall time of the whole call, prefill included
-    top2_gaps: list[float] = field(default_factory=list)  # top-1 minus top-2 logit per token
+    # per output token: top-1 minus top-2 logit of the row that produced it (near ties)
+    top2_gaps: list[float] = field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:
