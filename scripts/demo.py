@@ -23,19 +23,15 @@ import benchmark as bm  # noqa: E402
 DATASETS = ["mt_bench", "spec_bench", "gsm8k", "humaneval", "mbpp"]
 
 
-def pctree_drafter() -> tuple[bool, str]:
-    """(usable, why) for PCTree's packaged default drafter."""
+def pctree_drafter(model_path: str) -> tuple[bool, str]:
+    """(usable, why) for PCTree's drafter for this target: the packaged one, or
+    ``$VLLM_PTD_DSPARK``."""
+    from vllm_ptd.pctree.method import resolve_drafter_path
+
     try:
-        from vllm_ptd.pctree.checkpoint import default_drafter_path
-    except ImportError as e:
-        return False, f"vllm_ptd.pctree has no drafter loader yet ({e})"
-    try:
-        path = default_drafter_path()
-    except Exception as e:  # noqa: BLE001 - any failure means: no drafter to demo
-        return False, f"no default drafter ({type(e).__name__}: {e})"
-    if not path or not Path(path).exists():
-        return False, f"default drafter not found at {path}"
-    return True, str(path)
+        return True, str(resolve_drafter_path(None, model_path))
+    except ValueError as e:
+        return False, str(e)
 
 
 def opts_dtype(dtype: str) -> str:
@@ -57,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = default_model_path()
     labels = ["none", "ngram:6", "ptd"]
-    ok, why = pctree_drafter()
+    ok, why = pctree_drafter(model)
     if ok:
         labels.append("pctree")
         print(f"[demo] PCTree drafter: {why}")
