@@ -58,6 +58,7 @@ def first_divergence(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+@pytest.mark.timeout(3600)  # about 10 CPU-minutes: a busy shared machine may need more
 def test_ptd_lossless_fp32(model_path, prompts):
     engine = ReferenceEngine(model_path, dtype=torch.float32)
     plain, spec = run_both(engine, prompts, NEW_TOKENS)
