@@ -363,4 +363,6 @@ def save_drafter(drafter: DSparkDrafter, path: str | os.PathLike, *, compact: bo
     p.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(p / WEIGHTS_NAME), metadata={"format": "pt"})
     (p / CONFIG_NAME).write_text(json.dumps(out_cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    for name in (WEIGHTS_NAME, CONFIG_NAME):
+        os.chmod(p / name, 0o644)  # package data: readable by everyone
     return p
