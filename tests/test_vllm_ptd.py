@@ -1,0 +1,398 @@
+"""PTD inside vLLM (issue 3): lossless greedy output, vLLM's spec-decode counters, per-step
+agreement with the reference engine, seeded sampling, aborts, the context end, config errors
+and preemption.
+
+Engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the tests can reach
+the runner's ``TreeProposer``. Three engines start, one at a time: plain decoding (every
+baseline of the file in one batched call), PTD with max_model_len 1024, and PTD with
+max_model_len 192 and a KV cache of three blocks. Everything is fp32 + eager on both sides:
+token identity in bf16 flips at near-ties.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+
+import pytest
+
+pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.vllm
+
+MODEL_ARGS = dict(dtype="float32", enforce_eager=True, seed=0)
+# mixed prompt sets, 4 each, chat template applied
+SETS = ("mt_bench", "gsm8k", "humaneval", "mbpp")
+SAMPLING_PROMPTS = 3
+SAMPLE_TOKENS = 20
+REF_PROMPTS = 2       # batch-1 comparison with the reference engine
+REF_TOKENS = 32
+CONTEXT_LEN = 192     # the small engine's max_model_len
+SMALL_BLOCK_SIZE = 32
+SMALL_BLOCKS = 7      # 224 tokens: vLLM wants max_model_len + 24 lookahead slots; 3 requests
+                      # of ~90 tokens + their trees need 12 blocks
+PREEMPT_PROMPTS = 3
+PREEMPT_TOKENS = 32
+
+
+# ---------------------------------------------------------------------------- helpers
+def _runner(llm):
+    """The in-process engine's model runner (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    core = llm.llm_engine.engine_core.engine_core
+    return core.model_executor.driver_worker.worker.model_runner
+
+
+def _proposer(llm):
+    from vllm_ptd.integration.proposer import TreeProposer
+
+    drafter = _runner(llm).drafter
+    assert isinstance(drafter, TreeProposer), type(drafter)
+    return drafter
+
+
+def _flush(llm) -> None:
+    """The runner hears of finished requests with the next schedule; run that (empty) step."""
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core
+    for _ in range(3):
+        if not core.scheduler.has_requests():
+            return
+        engine.step()
+
+
+def _counters(llm) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if type(m).__name__ == "Counter":
+            out[m.name] = out.get(m.name, 0) + m.value
+    return out
+
+
+def _shutdown(llm) -> None:
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+class Trace:
+    """The proposer's ``VLLM_PTD_TRACE`` file: one JSON line per request and step."""
+
+    def __init__(self, path) -> None:
+        self.path = str(path)
+        self.offset = 0
+
+    def mark(self) -> None:
+        self.offset = os.path.getsize(self.path) if os.path.exists(self.path) else 0
+
+    def since_mark(self) -> list[dict]:
+        with open(self.path) as f:
+            f.seek(self.offset)
+            return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def engine_env(tmp_path_factory):
+    """In-process engines, a trace file; vLLM's env cache is cleared afterwards so later
+    test modules see their own settings."""
+    trace = tmp_path_factory.mktemp("ptd_trace") / "trace.jsonl"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        mp.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+        mp.setenv("VLLM_PTD_TRACE", str(trace))
+        yield Trace(trace)
+    import vllm.envs as envs
+
+    if hasattr(envs.__getattr__, "cache_clear"):
+        envs.__getattr__.cache_clear()
+
+
+# ---------------------------------------------------------------------------- workloads
+@pytest.fixture(scope="module")
+def work(tokenizer):
+    """Every prompt of the file as token ids, with its max_tokens."""
+    from vllm_ptd.datasets import chat_prompt_ids, load_prompts
+
+    mixed = []
+    for name in SETS:
+        mixed += [chat_prompt_ids(tokenizer, p.text) for p in load_prompts(name, 4)]
+    # interleave the sets so neighbours differ in length; max_tokens 16..46
+    mixed = [mixed[(i % 4) * 4 + i // 4] for i in range(16)]
+    mixed_max = [16 + 2 * i for i in range(16)]
+    code = [chat_prompt_ids(tokenizer, p.text) for p in load_prompts("humaneval", 8)[4:]]
+    # ~180 tokens: a long prompt cut to 180 (token identity needs no well-formed text)
+    long_text = " ".join(p.text for p in load_prompts("gsm8k", 4))
+    near_end = chat_prompt_ids(tokenizer, long_text)[:180]
+    assert len(near_end) == 180
+    preempt = [chat_prompt_ids(tokenizer, p.text)
+               for p in load_prompts("mbpp", 4 + PREEMPT_PROMPTS)[4:]]
+    assert all(len(p) + PREEMPT_TOKENS < CONTEXT_LEN for p in preempt)
+    return dict(mixed=mixed, mixed_max=mixed_max, code=code, near_end=near_end,
+                preempt=preempt)
+
+
+def _plain_jobs(work):
+    """(key, prompt ids, max_tokens) of every greedy baseline."""
+    jobs = [(("mixed", i), p, n) for i, (p, n) in enumerate(zip(work["mixed"], work["mixed_max"]))]
+    jobs += [(("abort", i), p, 48) for i, p in enumerate(work["code"][:2])]
+    # plain decoding at max_model_len 192 stops when prompt + output reach it
+    jobs.append((("near_end", 0), work["near_end"], CONTEXT_LEN - len(work["near_end"])))
+    jobs += [(("preempt", i), p, PREEMPT_TOKENS) for i, p in enumerate(work["preempt"])]
+    jobs += [(("next", 0), work["code"][0], 8)]
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def plain(engine_env, model_path, work):
+    """Greedy plain-decoding outputs of every baseline, from one engine (then shut down)."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model_path, max_model_len=1024, **MODEL_ARGS)
+    try:
+        jobs = _plain_jobs(work)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for _, p, _ in jobs],
+                            [SamplingParams(temperature=0, max_tokens=n) for _, _, n in jobs],
+                            use_tqdm=False)
+        return {key: list(o.outputs[0].token_ids) for (key, _, _), o in zip(jobs, outs)}
+    finally:
+        _shutdown(llm)
+
+
+# ---------------------------------------------------------------------------- invalid config
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("spec,key", [
+    ({"method": "ptd", "tree_widht": 4}, "tree_widht"),
+    ({"method": "ptd", "width": 0}, "width"),
+    ({"method": "ptd", "max_verify_nodes": -1}, "max_verify_nodes"),
+    ({"method": "ptd", "num_speculative_tokens": 3}, "num_speculative_tokens"),
+])
+def test_invalid_config_names_the_key(engine_env, model_path, spec, key):
+    from vllm import LLM
+
+    with pytest.raises(Exception) as info:
+        LLM(model_path, max_model_len=256, speculative_config=spec, **MODEL_ARGS)
+    assert repr(key) in str(info.value), str(info.value)
+
+
+# ---------------------------------------------------------------------------- PTD, 1024
+@pytest.fixture(scope="class")
+def ptd_llm(engine_env, plain, model_path):
+    from vllm import LLM
+
+    llm = LLM(model_path, max_model_len=1024, speculative_config={"method": "ptd"},
+              disable_log_stats=False, **MODEL_ARGS)
+    yield llm
+    _shutdown(llm)
+
+
+@pytest.fixture(scope="class")
+def ptd_batch_run(ptd_llm, engine_env, work):
+    """The 16 mixed prompts sent together, greedy, max_tokens 16..46."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = ptd_llm
+    before = _counters(llm)
+    engine_env.mark()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in work["mixed"]],
+                        [SamplingParams(temperature=0, max_tokens=n) for n in work["mixed_max"]],
+                        use_tqdm=False)
+    after = _counters(llm)
+    trace = engine_env.since_mark()
+    _flush(llm)
+    return outs, before, after, trace
+
+
+class TestPTD:
+    @pytest.fixture
+    def llm(self, ptd_llm):
+        return ptd_llm
+
+    @pytest.fixture
+    def batch_run(self, ptd_batch_run):
+        return ptd_batch_run
+
+    def test_greedy_batch_equals_plain(self, llm, batch_run, plain, work):
+        outs, *_ , trace = batch_run
+        got = [list(o.outputs[0].token_ids) for o in outs]
+        for i, g in enumerate(got):
+            assert g == plain[("mixed", i)], f"prompt {i}: PTD output differs from plain decoding"
+            assert len(g) == work["mixed_max"][i] or g[-1] in _proposer(llm).method.eos_token_ids
+        assert trace and sum(t["accepted"] for t in trace) > 0, "no tree token was ever accepted"
+        assert _proposer(llm).num_tracked() == 0
+
+    def test_vllm_spec_decode_counters_match_trace(self, batch_run):
+        _, before, after, trace = batch_run
+
+        def delta(name):
+            return after.get(name, 0) - before.get(name, 0)
+
+        assert delta("vllm:spec_decode_num_drafts") == len(trace)
+        assert delta("vllm:spec_decode_num_draft_tokens") == sum(t["nodes"] for t in trace)
+        assert delta("vllm:spec_decode_num_accepted_tokens") == sum(t["accepted"] for t in trace)
+        assert delta("vllm:spec_decode_num_accepted_tokens") > 0
+
+    def test_batch1_accepted_lengths_equal_reference(self, llm, engine_env, work):
+        """One prompt at a time, every step's (tree size, verified nodes, accepted length)
+        equals the reference engine's with the same PTD config."""
+        import torch
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from vllm_ptd.config import PTDConfig
+        from vllm_ptd.ptd.method import PTDMethod
+        from vllm_ptd.reference import ReferenceEngine
+
+        class RecordingPTD(PTDMethod):
+            def propose(self, req_ids, last_tokens):
+                trees = super().propose(req_ids, last_tokens)
+                self.sizes.extend((t.num_nodes, t.num_verify) for t in trees)
+                return trees
+
+        proposer = _proposer(llm)
+        eos = list(proposer.method.eos_token_ids)
+        prompts = [work["code"][2], work["mixed"][1]][:REF_PROMPTS]
+        runs = []
+        for ids in prompts:
+            engine_env.mark()
+            out = llm.generate([TokensPrompt(prompt_token_ids=ids)],
+                               SamplingParams(temperature=0, max_tokens=REF_TOKENS), use_tqdm=False)
+            trace = engine_env.since_mark()
+            assert len({t["req"] for t in trace}) == 1
+            runs.append((ids, list(out[0].outputs[0].token_ids), trace))
+        _flush(llm)
+
+        ref = ReferenceEngine(str(proposer.model_config.model), dtype=torch.float32)
+        for ids, tokens, trace in runs:
+            method = RecordingPTD(PTDConfig().resolved("cpu"), eos)
+            method.sizes = []
+            # PTD seeds each request's random generator from its id: give the reference the
+            # id vLLM used (vLLM appends a random suffix to every request id)
+            gen = ref.generate(ids, REF_TOKENS, method=method, req_id=trace[0]["req"])
+            assert gen.tokens == tokens
+            ref_steps = [(n, v, a) for (n, v), a in zip(method.sizes, gen.accepted_per_step)
+                         if n > 0]
+            got = [(t["nodes"], t["verify"], t["accepted"]) for t in trace]
+            assert len(got) == len(ref_steps)
+            # the last step may be cut by max_tokens in the reference (vLLM counts the walk)
+            assert got[:-1] == ref_steps[:-1]
+            assert got[-1][:2] == ref_steps[-1][:2] and got[-1][2] >= ref_steps[-1][2]
+
+    def test_seeded_sampling_reproducible_and_walks_trees(self, llm, engine_env, work):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in work["code"][:SAMPLING_PROMPTS]]
+        params = [SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i,
+                                 max_tokens=SAMPLE_TOKENS) for i in range(len(prompts))]
+        runs, traces = [], []
+        for _ in range(2):
+            engine_env.mark()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            traces.append(engine_env.since_mark())
+            runs.append([list(o.outputs[0].token_ids) for o in outs])
+        _flush(llm)
+        assert all(len(t) == SAMPLE_TOKENS for t in runs[0])
+        assert runs[0] == runs[1], "seeded sampling with PTD is not reproducible"
+        walked = [t for tr in traces for t in tr if t["verify"] > 0]
+        assert walked, "no candidate tree was verified while sampling"
+        assert any(t["accepted"] > 0 for t in walked), "the sampling walk never accepted"
+        assert _proposer(llm).num_tracked() == 0
+
+    def test_abort_mid_generation(self, llm, plain, work):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        engine = llm.llm_engine
+        proposer = _proposer(llm)
+        greedy = dict(temperature=0)
+        engine.add_request("keep-0", TokensPrompt(prompt_token_ids=work["code"][0]),
+                           SamplingParams(max_tokens=48, **greedy))
+        engine.add_request("victim", TokensPrompt(prompt_token_ids=work["mixed"][0]),
+                           SamplingParams(max_tokens=400, **greedy))
+        engine.add_request("keep-1", TokensPrompt(prompt_token_ids=work["code"][1]),
+                           SamplingParams(max_tokens=48, **greedy))
+        final, aborted, steps, peak = {}, False, 0, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == "victim" and not aborted \
+                        and len(out.outputs[0].token_ids) >= 8:
+                    engine.abort_request(["victim"])
+                    aborted = True
+                if out.finished:
+                    final[out.request_id] = out
+            steps += 1
+            peak = max(peak, proposer.num_tracked())
+            assert proposer.num_tracked() <= 2 * 3, "per-request state beyond the live requests"
+            assert steps < 400
+        assert aborted
+        assert list(final["keep-0"].outputs[0].token_ids) == plain[("abort", 0)]
+        assert list(final["keep-1"].outputs[0].token_ids) == plain[("abort", 1)]
+        assert peak > 0
+        _flush(llm)
+        assert proposer.num_tracked() == 0
+        assert not proposer.trees and not proposer.outcomes
+
+
+# ---------------------------------------------------------------------------- PTD, 192 tokens
+@pytest.fixture(scope="class")
+def small_llm(engine_env, plain, model_path):
+    from vllm import LLM
+
+    llm = LLM(model_path, max_model_len=CONTEXT_LEN, speculative_config={"method": "ptd"},
+              block_size=SMALL_BLOCK_SIZE, num_gpu_blocks_override=SMALL_BLOCKS,
+              disable_log_stats=False, **MODEL_ARGS)
+    yield llm
+    _shutdown(llm)
+
+
+class TestSmallEngine:
+    """max_model_len 192 and a KV cache of 224 tokens (7 blocks of 32) shared by 3 requests
+    that each reserve 1 + 24 slots per step for their trees: some get preempted."""
+
+    @pytest.fixture
+    def llm(self, small_llm):
+        return small_llm
+
+    def test_prompt_near_context_end(self, llm, plain, work):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        ids = work["near_end"]
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)],
+                           SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0]
+        got = list(out.outputs[0].token_ids)
+        assert got == plain[("near_end", 0)]
+        assert len(ids) + len(got) == CONTEXT_LEN and out.outputs[0].finish_reason == "length"
+        _flush(llm)
+        assert _proposer(llm).num_tracked() == 0
+
+    def test_prompt_longer_than_context(self, llm, plain, work):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        too_long = (work["near_end"] * 2)[: CONTEXT_LEN + 8]
+        with pytest.raises(Exception, match="maximum context length"):
+            llm.generate([TokensPrompt(prompt_token_ids=too_long)],
+                         SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        out = llm.generate([TokensPrompt(prompt_token_ids=work["code"][0])],
+                           SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+        assert list(out.outputs[0].token_ids) == plain[("next", 0)]
+
+    def test_preemption(self, llm, plain, work):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        before = _counters(llm).get("vllm:num_preemptions", 0)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in work["preempt"]],
+                            SamplingParams(temperature=0, max_tokens=PREEMPT_TOKENS),
+                            use_tqdm=False)
+        preempted = _counters(llm).get("vllm:num_preemptions", 0) - before
+        assert preempted > 0, "the workload did not preempt: the test checks nothing"
+        for i, o in enumerate(outs):
+            assert list(o.outputs[0].token_ids) == plain[("preempt", i)], f"request {i}"
+        _flush(llm)
+        assert _proposer(llm).num_tracked() == 0
