@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     plain_tokens = sum(len(g.tokens) for g in plain)
     rows = [dict(method="plain", tokens=plain_tokens, seconds=plain_s,
                  tok_per_s=plain_tokens / plain_s, speedup=1.0, identical=len(plain))]
-    details = {"plain": [dict(id=pid, tokens=len(g.tokens), seconds=g.seconds)
+    details = {"plain": [dict(id=pid, output_tokens=len(g.tokens), seconds=g.seconds)
                          for (_, pid, _), g in zip(prompts, plain)]}
 
     for name, nv, nd in configs:
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
                          max_verify_nodes=cfg.max_verify_nodes,
                          max_draft_nodes=cfg.max_draft_nodes, **total.as_dict(),
                          datasets=by_ds))
-        details[name] = [dict(id=pid, tokens=len(g.tokens), seconds=g.seconds,
+        details[name] = [dict(id=pid, output_tokens=len(g.tokens), seconds=g.seconds,
                               **g.metrics.as_dict())
                          for (_, pid, _), g in zip(prompts, gens)]
 
