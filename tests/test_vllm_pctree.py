@@ -29,6 +29,11 @@ def _in_process():
         os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     else:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+    # an in-process engine turns on vLLM's env cache; later modules must see their own env
+    import vllm.envs as envs
+
+    if hasattr(envs.__getattr__, "cache_clear"):
+        envs.__getattr__.cache_clear()
 
 
 def _shutdown(llm) -> None:
