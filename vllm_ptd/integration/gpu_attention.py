@@ -38,13 +38,12 @@ class TreeTritonAttentionImpl(TritonAttentionImpl):
         if step is None or attn_metadata is None or output_scale is not None:
             return output
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
-        dev = query.device
+        t = step.on_device(query.device)
         out = output.view(output.shape[0], self.num_heads, self.head_size)
         tree_attention(
             query.view(query.shape[0], self.num_heads, self.head_size), key_cache, value_cache,
-            attn_metadata.block_table[step.batch_indices_tensor.to(dev)],
-            step.context.to(dev), step.row_start.to(dev), step.batch.offsets.to(dev),
-            step.mask_on(dev), self.scale, out=out, max_rows=step.max_rows)
+            attn_metadata.block_table[t.batch_indices], t.context, t.row_start, t.node_offsets,
+            t.mask, self.scale, out=out, max_rows=step.max_rows)
         return output
 
 

@@ -11,6 +11,7 @@ positions.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +30,14 @@ class TreeRows:
     masks: list[torch.Tensor]  # [rows, seq_len] bool, True = may attend
 
 
+class DeviceTensors(NamedTuple):
+    batch_indices: torch.Tensor
+    context: torch.Tensor
+    row_start: torch.Tensor
+    node_offsets: torch.Tensor
+    mask: TreeMask
+
+
 @dataclass
 class TreeStep:
     req_ids: list[str]            # requests with a tree this step, in batch order
@@ -45,17 +54,19 @@ class TreeStep:
     _on_device: dict = field(default_factory=dict)
 
     @property
-    def batch_indices_tensor(self) -> torch.Tensor:
-        return torch.tensor(self.batch_indices, dtype=torch.int64)
-
-    @property
     def max_rows(self) -> int:
         return max(t.num_nodes for t in self.trees) + 1
 
-    def mask_on(self, device) -> TreeMask:
+    def on_device(self, device) -> "DeviceTensors":
+        """The step's index tensors and masks on ``device``, moved once per step and shared
+        by every attention layer."""
         key = str(device)
         if key not in self._on_device:
-            self._on_device[key] = TreeMask(self.mask.mask.to(device), self.mask.offsets.to(device))
+            self._on_device[key] = DeviceTensors(
+                batch_indices=torch.tensor(self.batch_indices, dtype=torch.int64, device=device),
+                context=self.context.to(device), row_start=self.row_start.to(device),
+                node_offsets=self.batch.offsets.to(device),
+                mask=TreeMask(self.mask.mask.to(device), self.mask.offsets.to(device)))
         return self._on_device[key]
 
     @property
