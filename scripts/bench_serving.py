@@ -401,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="concurrent clients, a list runs each count")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="as scripts/benchmark.py --dtype")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--enforce-eager", action="store_true")
@@ -418,14 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.dtype == "fp32":
-        args.dtype = "float32"
-    if args.kv_cache_gib is None:
-        args.kv_cache_gib = 1.0 if args.dtype == "float32" else 0.5
-    if args.model is None:
-        from vllm_ptd.model_store import default_model_path
-
-        args.model = default_model_path()
+    bm.resolve_common_args(args)
     out = Path(args.out or REPO / "results" / time.strftime("serving-%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]

