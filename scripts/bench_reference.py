@@ -5,8 +5,8 @@ Prints one row per method: tokens/s, speedup over plain decoding, DE, AL, HR, Df
 many outputs are token-identical to plain greedy decoding. ``--out`` writes the same as JSON
 (with per-dataset figures and per-prompt details).
 
-    python scripts/bench_reference.py                        # PTD w=4 d=6, CPU budgets 12/12
-    python scripts/bench_reference.py --budgets 4/4,24/32    # and two more verify/draft budgets
+    python scripts/bench_reference.py                        # PTD w=4 d=6, the CPU budgets (4/2)
+    python scripts/bench_reference.py --budgets 12/12,24/32  # and two more verify/draft budgets
     python scripts/bench_reference.py --dtype bf16 --out results/ref_bf16.json
 """
 from __future__ import annotations

@@ -34,9 +34,11 @@ def _check_bool(name: str, value: Any) -> bool:
     return value
 
 
-# Per-device node budgets: a CPU forward over many rows costs much more than one row
-# (16 rows 1.5x, 64 rows 3.3x on the project's 2-core machine), a GPU forward barely more.
-DEVICE_BUDGETS = {"cpu": dict(max_verify_nodes=12, max_draft_nodes=12),
+# Per-device node budgets, chosen for tokens per second, not tokens per step. On the
+# project's 2-core AVX2 CPU (fp32, eager) a forward over 8 rows costs 1.7x one row, 16 rows
+# 2.1x, 64 rows 4.3x; there, at batch 1, PTD with 12+12 nodes ran at 0.88x plain decoding,
+# 6+4 at 1.03x and 4+2 at 1.10x (README, Results). A GPU forward barely costs more with rows.
+DEVICE_BUDGETS = {"cpu": dict(max_verify_nodes=4, max_draft_nodes=2),
                   "cuda": dict(max_verify_nodes=24, max_draft_nodes=32)}
 
 
