@@ -396,14 +396,20 @@ ENGINE_BASE_GIB = {"float32": 2.5}
 ENGINE_BASE_GIB_HALF = 1.8
 
 
-def _check_memory(num_engines: int, opts: dict) -> None:
-    """Refuse to start more engines than the machine's memory holds: swapping engines make
-    every timing meaningless (and the machine unusable) long before anything fails."""
+def _available_gib() -> float | None:
     try:
         with open("/proc/meminfo") as f:
             info = {line.split(":")[0]: int(line.split()[1]) for line in f}
-        avail_gib = info["MemAvailable"] / 2**20
+        return info["MemAvailable"] / 2**20
     except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def _check_memory(num_engines: int, opts: dict, avail_gib: float | None = None) -> None:
+    """Refuse to start more engines than the machine's memory holds: swapping engines make
+    every timing meaningless (and the machine unusable) long before anything fails."""
+    avail_gib = _available_gib() if avail_gib is None else avail_gib
+    if avail_gib is None:
         return
     kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     kv_gib = float(kv) if kv else float(opts.get("kv_cache_gib", 0.5))
