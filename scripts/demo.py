@@ -105,10 +105,13 @@ def main(argv: list[str] | None = None) -> int:
           f"plain decoding in {args.dtype}"
           f"{'' if args.dtype == 'float32' else ' (which flips near-ties; --dtype float32 is exact)'}. "
           f"Wall time {time.time() - t0:.0f}s; engine logs in {out / 'logs'}.")
-    print("\nFull benchmark (all five datasets, batch sizes 1/4/16, every method, plots):\n"
-          "  .venv/bin/python scripts/benchmark.py --num-prompts 20 --repeats 3 --out results/bench\n"
+    print("\nFull benchmark (all five datasets, batch sizes 1/4/16, every method, plots; the "
+          "README's Results section has the commands of the runs reported there):\n"
+          "  .venv/bin/python scripts/benchmark.py --enforce-eager --num-prompts 10 --max-tokens 128 "
+          "--repeats 2 --out results/bench\n"
           "Cost of a forward against rows per step on this machine:\n"
-          "  .venv/bin/python scripts/benchmark.py --row-cost 1,8,16,32,64 --out results/rowcost\n"
+          "  .venv/bin/python scripts/benchmark.py --row-cost 1,4,8,16,32,64 --enforce-eager "
+          "--out results/rowcost\n"
           "Serving (OpenAI API, concurrent streaming clients):\n"
           "  .venv/bin/python scripts/bench_serving.py --methods none,ngram:6,ptd --clients 1,4")
     return 0
