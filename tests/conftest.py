@@ -1,5 +1,17 @@
 """Shared pytest fixtures: the embedded default model, its tokenizer, a tiny random model."""
 import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module (``pytestmark = pytest.mark.usefixtures(...)``): tiny and
+    one-sequence matmuls gain little from threads, and on a shared 2-core machine a second
+    thread that waits for a busy core makes every op several times slower."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="session")

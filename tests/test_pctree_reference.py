@@ -12,17 +12,11 @@ from vllm_ptd.pctree.drafter import DSparkConfig, DSparkDrafter
 from vllm_ptd.pctree.method import PCTreeMethod, packaged_drafters
 from vllm_ptd.reference import ReferenceEngine
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 TEXTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
          "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,",
          "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from vllm_ptd.metrics import SpecMetrics
 from vllm_ptd.ptd.method import PTDMethod
 from vllm_ptd.reference import ReferenceEngine
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 NEW_TOKENS = 128
 # bf16 forwards on a CPU without bf16 instructions are several times slower than fp32: the
@@ -25,16 +25,6 @@ BF16_NEW_TOKENS = 64
 # rounding. bf16 keeps 8 mantissa bits: logits of about 10-30 carry steps of 0.06-0.125,
 # and the tree forward sums in another order, so gaps of a few steps flip.
 BF16_TIE_GAP = 0.25
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: on a shared 2-core machine a second thread waiting for a busy core
-    slows every op down several times; on an idle one it gains little at one sequence."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,8 @@ from vllm_ptd.reference import ReferenceEngine
 from vllm_ptd.tree import FlatTree
 from vllm_ptd.verify import greedy_walk
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 TEXTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
          "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,",
          "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
@@ -70,16 +72,6 @@ class ScriptedMethod(TreeMethod):
 
     def finish(self, req_id):
         self.finished.append(req_id)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a shared machine a second thread that
-    waits for a busy core makes every op several times slower."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")
