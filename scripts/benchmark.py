@@ -735,6 +735,12 @@ def _metric_cells(spec: dict, method_name: str) -> list[str]:
             _f(spec.get("DE_all")), _f(spec.get("rows_all"), 1)]
 
 
+def _method_cells(r: dict, method_name: str) -> str:
+    """tok/s | speedup | DE .. rows/step | identical, of one aggregate row."""
+    return " | ".join([_pm(r["tok_s"], 1), _pm(r["speedup"])]
+                      + _metric_cells(r["spec"], method_name) + [_ident(r)])
+
+
 def markdown_report(agg: dict, meta: dict, methods: list[Method], failed: dict) -> str:
     rows = agg["rows"]
     names = {m.label: m.name for m in methods}
@@ -776,9 +782,7 @@ def markdown_report(agg: dict, meta: dict, methods: list[Method], failed: dict) 
             r = get.get((m, bs, summary))
             if r is None:
                 continue
-            L.append(f"| {m} | {_pm(r['tok_s'], 1)} | {_pm(r['speedup'])} | "
-                     + " | ".join(_metric_cells(r["spec"], names[m]))
-                     + f" | {_ident(r)} |")
+            L.append(f"| {m} | {_method_cells(r, names[m])} |")
         L.append("")
     if len(dsets) > 1:
         L += ["## Per dataset", ""]
@@ -793,9 +797,7 @@ def markdown_report(agg: dict, meta: dict, methods: list[Method], failed: dict) 
                     r = get.get((m, bs, d))
                     if r is None:
                         continue
-                    L.append(f"| {bs} | {d} | {m} | {_pm(r['tok_s'], 1)} | {_pm(r['speedup'])} | "
-                             + " | ".join(_metric_cells(r["spec"], names[m]))
-                             + f" | {_ident(r)} |")
+                    L.append(f"| {bs} | {d} | {m} | {_method_cells(r, names[m])} |")
         L.append("")
     L += ["## Cross-check: proposer trace against vLLM's spec-decode counters (all runs)", "",
           "| method | trace steps | vLLM drafts | trace accepted | vLLM accepted | vLLM draft tokens "
