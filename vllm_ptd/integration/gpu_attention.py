@@ -16,20 +16,12 @@ from __future__ import annotations
 
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
 
+from vllm_ptd.integration.kv_stash import TreeKVStashMixin
 from vllm_ptd.integration.step import active_step
 from vllm_ptd.kernels import tree_attention
 
 
-class TreeTritonAttentionImpl(TritonAttentionImpl):
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        step = active_step()
-        if step is not None and kv_cache.numel() > 0:
-            step.kv_stash[id(layer)] = (self, layer, key, value, kv_cache, slot_mapping)
-
-    def write_kv_rows(self, layer, key, value, kv_cache, slots) -> None:
-        TritonAttentionImpl.do_kv_cache_update(self, layer, key, value, kv_cache, slots)
-
+class TreeTritonAttentionImpl(TreeKVStashMixin, TritonAttentionImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         super().forward(layer, query, key, value, kv_cache, attn_metadata, output,

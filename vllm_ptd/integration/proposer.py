@@ -64,6 +64,35 @@ def _speculation_allowed(params) -> bool:
             and not getattr(params, "min_p", 0.0))
 
 
+def accepted_kv_moves(step: TreeStep, paths: list[list[int]]) -> tuple[list[int], list[int]]:
+    """K/V moves of the accepted paths (``paths[i]``: request i's accepted node indices,
+    root to leaf): (index into the step's stashed verify rows, batch row whose slot is the
+    node's final position). Node k of a path belongs at position c + 1 + k, the slot vLLM
+    gave row k of the request; nodes already there are skipped."""
+    src, dst = [], []
+    for i, path in enumerate(paths):
+        r0, v0 = int(step.row_start[i]), step.verify_offsets[i]
+        for k, node in enumerate(path):
+            if node != k:
+                src.append(v0 + node)
+                dst.append(r0 + 1 + k)
+    return src, dst
+
+
+def move_kv(step: TreeStep, src_verify_rows: list[int], dst_rows: list[int]) -> None:
+    """Re-write stashed verify rows' K/V into the slots of the given batch rows, through each
+    layer's own cache writer (so any KV layout and dtype works)."""
+    if not src_verify_rows:
+        return
+    src = dst = None
+    for stash in step.kv_stash.values():
+        if src is None:
+            src = torch.tensor(src_verify_rows, device=stash.key.device)
+            dst = torch.tensor(dst_rows, device=stash.slot_mapping.device)
+        stash.impl.write_kv_rows(stash.layer, stash.key[src], stash.value[src], stash.kv_cache,
+                                 stash.slot_mapping[dst])
+
+
 class TreeProposer:
     def __init__(self, vllm_config) -> None:
         entry = (vllm_config.additional_config or {}).get("vllm_ptd")
@@ -208,7 +237,7 @@ class TreeProposer:
         walks = batch_walk_lists(num_acc, acc, com)
         temps = sm.temperature.cpu() if sm.temperature is not None and not sm.all_greedy else None
         pos = 0
-        moves_src, moves_dst = [], []
+        paths = []
         for i, (req_id, b, tree) in enumerate(zip(step.req_ids, step.batch_indices, step.trees)):
             n = tree.num_nodes
             rows_arg = argmax[pos: pos + n + 1].tolist()
@@ -225,32 +254,17 @@ class TreeProposer:
             self.outcomes[req_id] = StepOutcome(tree=tree, root_argmax=rows_arg[0],
                                                 node_argmax=rows_arg[1:], accepted=accepted,
                                                 committed=committed)
-            r0 = int(step.row_start[i])
-            for k, node in enumerate(accepted):
-                if node != k:  # node k of the path is not where its final position's slot is
-                    moves_src.append(r0 + 1 + node)
-                    moves_dst.append(r0 + 1 + k)
+            paths.append(accepted)
             self.metrics.record(committed=len(committed), accepted=len(accepted),
                                 verify_rows=tree.num_verify, draft_rows=n - tree.num_verify)
             if self.trace is not None:
                 self.trace.write(json.dumps({"req": req_id, "nodes": n, "verify": tree.num_verify,
                                              "accepted": len(accepted), "committed": len(committed)}) + "\n")
-        if moves_src:
-            self._move_kv(step, moves_src, moves_dst)
+        move_kv(step, *accepted_kv_moves(step, paths))
         self._steps += 1
         if self._steps % 500 == 0:
             logger.info("vllm-ptd %s: %s", self.kind, self.metrics.summary())
         return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
-
-    @staticmethod
-    def _move_kv(step: TreeStep, src_rows: list[int], dst_rows: list[int]) -> None:
-        """Re-write the accepted rows' K/V into the slots of their final positions, through
-        each layer's own cache writer (so any KV layout and dtype works)."""
-        for impl, layer, key, value, kv_cache, slot_mapping in step.kv_stash.values():
-            dev = key.device
-            src = torch.tensor(src_rows, device=dev)
-            dst = slot_mapping[torch.tensor(dst_rows, device=slot_mapping.device)]
-            impl.write_kv_rows(layer, key[src], value[src], kv_cache, dst)
 
     # ---- 3. vLLM's drafting hook --------------------------------------------------------
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,

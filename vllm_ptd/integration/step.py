@@ -36,6 +36,7 @@ class DeviceTensors(NamedTuple):
     row_start: torch.Tensor
     node_offsets: torch.Tensor
     mask: TreeMask
+    verify_rows: torch.Tensor
 
 
 @dataclass
@@ -47,11 +48,20 @@ class TreeStep:
     trees: list[FlatTree]         # the trees as scheduled (maybe cut short)
     batch: TreeBatch              # the same, packed
     mask: TreeMask                # ancestor masks of all trees (root row/col 0)
-    # filled by the attention backend during the forward: layer -> (impl, layer, key,
-    # value, kv_cache, slot_mapping), so accepted rows can be re-written to new slots
+    verify_rows: torch.Tensor     # [V] int64, batch rows of every verify node, request order
+    verify_offsets: list[int]     # [T + 1], request i's verify rows are [o_i, o_{i+1})
+    # filled by the attention backends during the forward (kv_stash.TreeKVStashMixin):
+    # layer -> StashedKV, so accepted rows can be re-written to their final slots
     kv_stash: dict = field(default_factory=dict)
     _rows: TreeRows | None = None
     _on_device: dict = field(default_factory=dict)
+
+    @property
+    def num_verify_rows(self) -> int:
+        return self.verify_offsets[-1]
+
+    def verify_rows_on(self, device) -> torch.Tensor:
+        return self.on_device(device).verify_rows
 
     @property
     def max_rows(self) -> int:
@@ -66,7 +76,8 @@ class TreeStep:
                 batch_indices=torch.tensor(self.batch_indices, dtype=torch.int64, device=device),
                 context=self.context.to(device), row_start=self.row_start.to(device),
                 node_offsets=self.batch.offsets.to(device),
-                mask=TreeMask(self.mask.mask.to(device), self.mask.offsets.to(device)))
+                mask=TreeMask(self.mask.mask.to(device), self.mask.offsets.to(device)),
+                verify_rows=self.verify_rows.to(device))
         return self._on_device[key]
 
     @property
@@ -105,8 +116,14 @@ def build_step(req_ids: list[str], batch_indices: list[int], trees: list[FlatTre
     write_node_positions(positions, batch.depths.to(dev), batch.offsets.to(dev), ctx.to(dev),
                          starts.to(dev))
     mask = build_tree_mask(batch.parents, batch.offsets, batch.causal_from)
+    verify_offsets = [0]
+    for t in trees:
+        verify_offsets.append(verify_offsets[-1] + t.num_verify)
+    verify_rows = torch.cat([torch.arange(r + 1, r + 1 + t.num_verify)
+                             for r, t in zip(row_start, trees)])
     return TreeStep(req_ids=req_ids, batch_indices=batch_indices, row_start=starts, context=ctx,
-                    trees=trees, batch=batch, mask=mask)
+                    trees=trees, batch=batch, mask=mask, verify_rows=verify_rows,
+                    verify_offsets=verify_offsets)
 
 
 _active: TreeStep | None = None

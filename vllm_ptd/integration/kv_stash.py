@@ -1,0 +1,47 @@
+"""TreeKVStashMixin: keep a copy of the verify rows' K/V of each layer, write accepted rows
+to their final slots. Shared by the CPU and GPU tree backends.
+
+After the walk, accepted node k of a path must sit in the KV slot of position c + 1 + k,
+but the forward wrote it to the slot of its tree row. The mixin copies the K/V of every row
+that can be accepted (the verify nodes) while the forward writes the cache, and the
+proposer later re-writes the accepted ones through the backend's own cache writer, so any
+KV layout and dtype works.
+
+Why a copy: under torch.compile the ``key``/``value`` handed to the cache-update op are
+buffers of the compiled graph, and inductor reuses those buffers for later layers'
+intermediates once the op returns. A reference kept past the op reads whatever the graph
+wrote there next (eager mode keeps the tensor alive, which hid this).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from vllm_ptd.integration.step import active_step
+
+
+class StashedKV(NamedTuple):
+    impl: object                # the layer's attention impl (owner of the cache writer)
+    layer: torch.nn.Module
+    key: torch.Tensor           # [V, num_kv_heads, head_dim] copy, V = the step's verify rows
+    value: torch.Tensor
+    kv_cache: torch.Tensor      # the layer's paged cache (written in place)
+    slot_mapping: torch.Tensor  # [num_tokens] the step's slot of every batch row
+
+
+class TreeKVStashMixin:
+    """Mix in before a vLLM attention impl that has ``do_kv_cache_update``."""
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        step = active_step()
+        if step is None or kv_cache.numel() == 0 or step.num_verify_rows == 0:
+            return
+        rows = step.verify_rows_on(key.device)
+        step.kv_stash[id(layer)] = StashedKV(self, layer, key[rows], value[rows], kv_cache,
+                                             slot_mapping)
+
+    def write_kv_rows(self, layer, key, value, kv_cache, slots) -> None:
+        """Write K/V rows to the given slots with the backend's own cache writer."""
+        super().do_kv_cache_update(layer, key, value, kv_cache, slots)
