@@ -6,11 +6,10 @@ bf16 flips at near-ties).
 """
 from __future__ import annotations
 
-import gc
-import os
-
 import pytest
 import torch
+from engine_utils import in_process_engines
+from engine_utils import shutdown as _shutdown
 
 pytest.importorskip("vllm")
 
@@ -22,27 +21,8 @@ MAX_TOKENS = [24, 40, 32, 48]
 
 @pytest.fixture(scope="module", autouse=True)
 def _in_process():
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    yield
-    if old is None:
-        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    else:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
-    # an in-process engine turns on vLLM's env cache; later modules must see their own env
-    import vllm.envs as envs
-
-    if hasattr(envs.__getattr__, "cache_clear"):
-        envs.__getattr__.cache_clear()
-
-
-def _shutdown(llm) -> None:
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
+    with in_process_engines():
+        yield
 
 
 def _generate(model_path, prompts, speculative_config=None):

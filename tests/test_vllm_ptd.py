@@ -10,11 +10,12 @@ token identity in bf16 flips at near-ties.
 """
 from __future__ import annotations
 
-import gc
-import json
-import os
-
 import pytest
+from engine_utils import counters as _counters
+from engine_utils import flush as _flush
+from engine_utils import in_process_engines
+from engine_utils import proposer as _proposer
+from engine_utils import shutdown as _shutdown
 
 pytest.importorskip("vllm")
 
@@ -35,78 +36,10 @@ PREEMPT_PROMPTS = 3
 PREEMPT_TOKENS = 32
 
 
-# ---------------------------------------------------------------------------- helpers
-def _runner(llm):
-    """The in-process engine's model runner (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
-    core = llm.llm_engine.engine_core.engine_core
-    return core.model_executor.driver_worker.worker.model_runner
-
-
-def _proposer(llm):
-    from vllm_ptd.integration.proposer import TreeProposer
-
-    drafter = _runner(llm).drafter
-    assert isinstance(drafter, TreeProposer), type(drafter)
-    return drafter
-
-
-def _flush(llm) -> None:
-    """The runner hears of finished requests with the next schedule; run that (empty) step."""
-    engine = llm.llm_engine
-    core = engine.engine_core.engine_core
-    for _ in range(3):
-        if not core.scheduler.has_requests():
-            return
-        engine.step()
-
-
-def _counters(llm) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for m in llm.get_metrics():
-        if type(m).__name__ == "Counter":
-            out[m.name] = out.get(m.name, 0) + m.value
-    return out
-
-
-def _shutdown(llm) -> None:
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
-
-
-class Trace:
-    """The proposer's ``VLLM_PTD_TRACE`` file: one JSON line per request and step."""
-
-    def __init__(self, path) -> None:
-        self.path = str(path)
-        self.offset = 0
-
-    def mark(self) -> None:
-        self.offset = os.path.getsize(self.path) if os.path.exists(self.path) else 0
-
-    def since_mark(self) -> list[dict]:
-        with open(self.path) as f:
-            f.seek(self.offset)
-            return [json.loads(line) for line in f if line.strip()]
-
-
 @pytest.fixture(scope="module")
 def engine_env(tmp_path_factory):
-    """In-process engines, a trace file; vLLM's env cache is cleared afterwards so later
-    test modules see their own settings."""
-    trace = tmp_path_factory.mktemp("ptd_trace") / "trace.jsonl"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-        mp.setenv("VLLM_PTD_TRACE", str(trace))
-        yield Trace(trace)
-    import vllm.envs as envs
-
-    if hasattr(envs.__getattr__, "cache_clear"):
-        envs.__getattr__.cache_clear()
+    with in_process_engines(tmp_path_factory.mktemp("ptd_trace") / "trace.jsonl") as trace:
+        yield trace
 
 
 # ---------------------------------------------------------------------------- workloads

@@ -10,6 +10,7 @@ scheduler's per-step KV reservation always covers a whole tree.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 from vllm.engine.arg_utils import EngineArgs
@@ -19,6 +20,8 @@ from vllm_ptd.integration.patching import Patch
 
 PROPOSER_CLASS = "vllm_ptd.integration.proposer.TreeProposer"
 ADDITIONAL_CONFIG_KEY = "vllm_ptd"
+
+logger = logging.getLogger("vllm_ptd")
 
 
 def _device_kind() -> str:
@@ -71,7 +74,15 @@ class EngineArgsPatch(Patch):
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
             if self.attention_backend is None:
                 self.attention_backend = "TRITON_ATTN"
-            self.compilation_config.cudagraph_mode = "PIECEWISE"
+            elif str(self.attention_backend).upper().split(".")[-1] != "TRITON_ATTN":
+                raise ValueError(f"attention_backend {self.attention_backend!r} cannot carry "
+                                 f"vllm-ptd's tree rows; use TRITON_ATTN (or leave it unset)")
+            asked = getattr(self.compilation_config, "cudagraph_mode", None)
+            if asked is not None and str(asked).upper().split(".")[-1] not in ("PIECEWISE", "NONE"):
+                logger.warning("vllm-ptd: cudagraph_mode %s would capture attention (and its "
+                               "tree rows) in full CUDA graphs; using PIECEWISE instead", asked)
+            if asked is None or str(asked).upper().split(".")[-1] != "NONE":
+                self.compilation_config.cudagraph_mode = "PIECEWISE"
         config = self._orig_create_engine_config(*args, **kwargs)
         if ours["method"] == "pctree":
             # refuse a drafter that does not fit here, before any engine process starts

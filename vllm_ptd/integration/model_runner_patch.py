@@ -35,6 +35,22 @@ def _register_tree_attention(device_type: str) -> None:
             fn.cache_clear()
 
 
+def _check_tree_attention(runner) -> None:
+    """Every attention layer must run the project's tree backend: any other backend would
+    attend causally over the tree rows and keep no K/V for the accepted-row moves, so the
+    output would silently differ from plain decoding."""
+    from vllm_ptd.integration.kv_stash import TreeKVStashMixin
+
+    layers = runner.compilation_config.static_forward_context.values()
+    other = sorted({type(layer.impl).__name__ for layer in layers
+                    if getattr(layer, "impl", None) is not None
+                    and not isinstance(layer.impl, TreeKVStashMixin)})
+    if other:
+        want = "CPU_ATTN" if runner.device.type == "cpu" else "TRITON_ATTN"
+        raise ValueError(f"vllm-ptd tree speculation needs the {want} attention backend with "
+                         f"tree rows; this model's attention layers use {', '.join(other)}")
+
+
 class GPUModelRunnerPatch(Patch):
     target = GPUModelRunner
 
@@ -53,6 +69,7 @@ class GPUModelRunnerPatch(Patch):
         result = self._orig_load_model(*args, **kwargs)
         proposer = _tree_proposer(self)
         if proposer is not None:
+            _check_tree_attention(self)
             proposer.load_model(self.model)
         return result
 

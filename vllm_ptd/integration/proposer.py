@@ -183,7 +183,7 @@ class TreeProposer:
         runner = self.runner
         ib = runner.input_batch
         qsl = runner.query_start_loc.np
-        req_ids, batch_idx, trees, starts, ctx = [], [], [], [], []
+        req_ids, batch_idx, trees, starts, ctx, proposed = [], [], [], [], [], []
         for b, req_id in enumerate(ib.req_ids[: ib.num_reqs]):
             scheduled = spec.get(req_id)
             if not scheduled:
@@ -198,11 +198,14 @@ class TreeProposer:
             req_ids.append(req_id)
             batch_idx.append(b)
             trees.append(stored.truncated(n))
+            proposed.append(stored.num_nodes)
             starts.append(int(qsl[b]))
             ctx.append(int(ib.num_computed_tokens_cpu[b]))
         if not trees:
             return
-        set_active_step(build_step(req_ids, batch_idx, trees, starts, ctx, self.runner.positions))
+        step = build_step(req_ids, batch_idx, trees, starts, ctx, self.runner.positions)
+        step.proposed_nodes = proposed
+        set_active_step(step)
 
     # ---- 2. instead of the rejection sampler ------------------------------------------
     def verify(self, logits: torch.Tensor, spec_meta, orig_sample) -> "SamplerOutput":  # noqa: F821
@@ -258,7 +261,9 @@ class TreeProposer:
             self.metrics.record(committed=len(committed), accepted=len(accepted),
                                 verify_rows=tree.num_verify, draft_rows=n - tree.num_verify)
             if self.trace is not None:
-                self.trace.write(json.dumps({"req": req_id, "nodes": n, "verify": tree.num_verify,
+                self.trace.write(json.dumps({"req": req_id, "nodes": n,
+                                             "proposed": step.proposed_nodes[i],
+                                             "verify": tree.num_verify,
                                              "accepted": len(accepted), "committed": len(committed)}) + "\n")
         move_kv(step, *accepted_kv_moves(step, paths))
         self._steps += 1
@@ -314,10 +319,10 @@ class TreeProposer:
         if ready_ids:
             trees = method.propose(ready_ids, ready_last)
             for req_id, b, tree in zip(ready_ids, ready_b, trees):
-                # the scheduler keeps positions below max_model_len; cut here so what we
-                # store is what it will run
-                room = self.max_model_len - 1 - int(num_tokens_no_spec[b])
-                tree = tree.truncated(min(self.num_spec, max(room, 0)))
+                # the scheduler keeps positions below max_model_len: send what fits; the
+                # stored tree is cut to what was scheduled in the next prepare_step
+                room = max(self.max_model_len - 1 - int(num_tokens_no_spec[b]), 0)
+                tree = tree.truncated(self.num_spec)
                 self.trees[req_id] = tree
-                out[b] = list(tree.tokens)
+                out[b] = tree.tokens[:room]
         return out

@@ -53,6 +53,7 @@ class TreeStep:
     # filled by the attention backends during the forward (kv_stash.TreeKVStashMixin):
     # layer -> StashedKV, so accepted rows can be re-written to their final slots
     kv_stash: dict = field(default_factory=dict)
+    proposed_nodes: list[int] = field(default_factory=list)  # per request, before any cut
     _rows: TreeRows | None = None
     _on_device: dict = field(default_factory=dict)
 

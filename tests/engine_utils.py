@@ -1,0 +1,87 @@
+"""Helpers for the test modules that run vLLM engines in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the tests can reach the runner's ``TreeProposer``."""
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+
+
+def runner(llm):
+    """The in-process engine's model runner."""
+    core = llm.llm_engine.engine_core.engine_core
+    return core.model_executor.driver_worker.worker.model_runner
+
+
+def proposer(llm):
+    from vllm_ptd.integration.proposer import TreeProposer
+
+    drafter = runner(llm).drafter
+    assert isinstance(drafter, TreeProposer), type(drafter)
+    return drafter
+
+
+def flush(llm) -> None:
+    """The runner hears of finished requests with the next schedule; run that (empty) step."""
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core
+    for _ in range(3):
+        if not core.scheduler.has_requests():
+            return
+        engine.step()
+
+
+def counters(llm) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if type(m).__name__ == "Counter":
+            out[m.name] = out.get(m.name, 0) + m.value
+    return out
+
+
+def shutdown(llm) -> None:
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+class Trace:
+    """The proposer's ``VLLM_PTD_TRACE`` file: one JSON line per request and step."""
+
+    def __init__(self, path) -> None:
+        self.path = str(path)
+        self.offset = 0
+
+    def mark(self) -> None:
+        self.offset = os.path.getsize(self.path) if os.path.exists(self.path) else 0
+
+    def since_mark(self) -> list[dict]:
+        with open(self.path) as f:
+            f.seek(self.offset)
+            return [json.loads(line) for line in f if line.strip()]
+
+
+@contextlib.contextmanager
+def in_process_engines(trace_path=None, **extra_env):
+    """Environment for in-process engines (and a trace file); vLLM's env cache is cleared
+    afterwards so later test modules see their own settings."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        mp.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+        if trace_path is not None:
+            mp.setenv("VLLM_PTD_TRACE", str(trace_path))
+        for k, v in extra_env.items():
+            mp.setenv(k, v)
+        try:
+            yield Trace(trace_path) if trace_path is not None else None
+        finally:
+            import vllm.envs as envs
+
+            if hasattr(envs.__getattr__, "cache_clear"):
+                envs.__getattr__.cache_clear()
