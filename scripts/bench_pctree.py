@@ -26,7 +26,7 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from vllm_ptd.config import PCTreeConfig  # noqa: E402
+from vllm_ptd.pctree.config import PCTreeConfig  # noqa: E402
 from vllm_ptd.metrics import SpecMetrics  # noqa: E402
 from vllm_ptd.pctree.method import PCTreeMethod  # noqa: E402
 
@@ -64,8 +64,8 @@ def main(argv=None) -> int:
     emb = (eng.model.get_input_embeddings().weight, eng.model.get_output_embeddings().weight)
     methods = {}
     for mode in args.modes:
-        cfg = PCTreeConfig(model=args.drafter, branching=args.branching, max_nodes=args.max_nodes,
-                           depth=args.depth, mode=mode)
+        cfg = PCTreeConfig(model=args.drafter, branching=None if mode == "chain" else args.branching,
+                           max_nodes=args.max_nodes, depth=args.depth, mode=mode)
         methods[mode] = PCTreeMethod(cfg, eng.model.config, emb)
     any_m = next(iter(methods.values()))
     print(f"target {target} ({args.dtype}); drafter {any_m.drafter_path}; block {any_m.drafter.block_size}, "

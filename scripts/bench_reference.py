@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from vllm_ptd.config import PTDConfig
+from vllm_ptd.ptd.config import PTDConfig
 from vllm_ptd.datasets import chat_prompt_ids, load_prompts
 from vllm_ptd.metrics import SpecMetrics
 from vllm_ptd.model_store import ensure_default_model

@@ -133,7 +133,7 @@ def test_accepted_rows_move_from_a_copy_not_the_forward_buffer():
 
     from vllm_ptd.integration.cpu_attention import TreeCPUAttentionImpl
     from vllm_ptd.integration.proposer import accepted_kv_moves, move_kv
-    from vllm_ptd.integration.step import build_step, set_active_step
+    from vllm_ptd.integration.step import StepChannel, build_step
 
     from vllm.config import VllmConfig, set_current_vllm_config
 
@@ -155,11 +155,10 @@ def test_accepted_rows_move_from_a_copy_not_the_forward_buffer():
     k = torch.randn(num_rows, KVH, D, generator=g)
     v = torch.randn(num_rows, KVH, D, generator=g)
     key, value = k.clone(), v.clone()
-    set_active_step(step)
-    try:
-        impl.do_kv_cache_update(layer, key, value, parts[0], slot_mapping)
-    finally:
-        set_active_step(None)
+    impl.tree_channel = StepChannel()
+    impl.tree_channel.open(step)
+    impl.do_kv_cache_update(layer, key, value, parts[0], slot_mapping)
+    impl.tree_channel.close()
     key.fill_(float("nan"))    # what a compiled graph does with a freed buffer
     value.fill_(float("nan"))
     paths = [[1, 2, 3], [2]]   # a: nodes 1 -> 2 -> 3; b: node 2 (a child of the root)

@@ -1,8 +1,11 @@
-"""PTDConfig / PCTreeConfig / parse_speculative_config: defaults and refusals."""
+"""PTDConfig / PCTreeConfig / parse_speculative_config / the method registry: defaults and
+refusals."""
 import pytest
 
-from vllm_ptd.config import (DEVICE_BUDGETS, MethodConfig, PCTreeConfig, PTDConfig,
-                             parse_speculative_config)
+from vllm_ptd.config import MethodConfig, parse_speculative_config
+from vllm_ptd.methods import find_method, method_names
+from vllm_ptd.pctree.config import PCTreeConfig, tree_node_bound
+from vllm_ptd.ptd.config import DEVICE_BUDGETS, PTDConfig
 
 
 def test_ptd_defaults_follow_the_paper_and_resolve_per_device():
@@ -60,8 +63,27 @@ def test_pctree_bad_values_name_key_and_range(key, value, pattern):
 
 def test_pctree_defaults_and_chain_mode():
     c = PCTreeConfig()
-    assert c.max_tree_nodes == c.max_nodes - 1
-    assert PCTreeConfig(mode="chain", branching=4).branching == 1
+    with pytest.raises(ValueError, match="resolve"):
+        c.max_tree_nodes
+    tree = c.for_block_size(7)
+    assert (tree.branching, tree.depth) == (4, 7) and tree.max_tree_nodes == c.max_nodes - 1
+    chain = PCTreeConfig(mode="chain").for_block_size(7)
+    # a chain of a block-7 drafter has at most 7 nodes: the reservation is 7, not N - 1 = 15
+    assert (chain.branching, chain.depth) == (1, 7) and chain.max_tree_nodes == 7
+    assert PCTreeConfig(mode="chain", branching=1).for_block_size(7) == chain
+    with pytest.raises(ValueError, match=r"'chain'.*'branching'\] = 8"):
+        PCTreeConfig(mode="chain", branching=8)
+    with pytest.raises(ValueError, match=r"'depth'\] = 9 exceeds the drafter's block size 7"):
+        PCTreeConfig(depth=9).for_block_size(7)
+    assert tree_node_bound(2, 3, 100) == 2 + 2 * 4  # k + (depth - 1) k^2
+
+
+def test_methods_are_found_by_name():
+    assert set(method_names()) == {"ptd", "pctree"}
+    assert find_method("ptd").config_cls is PTDConfig and not find_method("ptd").needs_hidden
+    assert find_method("pctree").config_cls is PCTreeConfig and find_method("pctree").needs_hidden
+    with pytest.raises(ValueError, match="'method'.*'eagle'"):
+        find_method("eagle")
 
 
 def test_parse_splits_ours_from_vllms():
@@ -69,7 +91,7 @@ def test_parse_splits_ours_from_vllms():
                                    "disable_by_batch_size": 8})
     assert isinstance(mc, MethodConfig) and mc.method == "ptd"
     assert isinstance(mc.options, PTDConfig) and mc.options.width == 3
-    assert mc.num_speculative_tokens == 40 and mc.extra_vllm == {"disable_by_batch_size": 8}
+    assert mc.num_speculative_tokens == 40 and mc.disable_by_batch_size == 8
     mc = parse_speculative_config({"method": "pctree", "branching": 2})
     assert isinstance(mc.options, PCTreeConfig) and mc.num_speculative_tokens is None
 
@@ -78,7 +100,8 @@ def test_parse_splits_ours_from_vllms():
     ({"method": "ptd", "widht": 4}, r"unknown key 'widht'.*allowed keys"),
     ({"method": "ptd", "branching": 4}, r"unknown key 'branching'"),  # a PCTree key
     ({"method": "pctree", "width": 4}, r"unknown key 'width'"),       # a PTD key
-    ({"method": "eagle"}, r"'method'.*\['ptd', 'pctree'\]"),
+    ({"method": "eagle"}, r"'method'.*\['pctree', 'ptd'\]"),
+    ({"method": "ptd", "disable_by_batch_size": 0}, r"'disable_by_batch_size'.*\[1, "),
     ({"width": 4}, r"'method'"),
     ({"method": "ptd", "num_speculative_tokens": 0}, r"'num_speculative_tokens'.*\[1, 4096\]"),
 ])

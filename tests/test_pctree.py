@@ -12,7 +12,7 @@ import struct
 import pytest
 import torch
 
-from vllm_ptd.config import PCTreeConfig
+from vllm_ptd.pctree.config import PCTreeConfig
 from vllm_ptd.method import StepOutcome
 from vllm_ptd.pctree.checkpoint import (check_drafter_fits, expected_tensor_shapes, load_drafter,
                                         read_tensor_shapes, save_drafter)
@@ -183,7 +183,7 @@ def test_k1_equals_chain_dspark_step_by_step():
     dr = make_drafter(seed=3)
     B = dr.block_size
     outs = {}
-    for mode, k in (("pctree", 1), ("chain", 4), ("shared", 1)):
+    for mode, k in (("pctree", 1), ("chain", None), ("shared", 1)):
         m = PCTreeMethod(PCTreeConfig(branching=k, max_nodes=B + 1, mode=mode), TARGET, drafter=dr)
         outs[mode] = m
     all_rows = rows(40, 7)
@@ -278,9 +278,10 @@ def test_batched_expansion_equals_per_request(mode):
     U = torch.randn(4, dr.block_size, V, generator=g) * 2
     h = torch.randn(4, dr.block_size, D, generator=g)
     roots = [3, 50, 3, 77]
-    batched = expand_trees(U, roots, markov=dr.markov_head, hidden=h, k=3, max_nodes=12, mode=mode)
+    k = 1 if mode == "chain" else 3
+    batched = expand_trees(U, roots, markov=dr.markov_head, hidden=h, k=k, max_nodes=12, mode=mode)
     for i in range(4):
-        single = expand_trees(U[i], roots[i], markov=dr.markov_head, hidden=h[i], k=3, max_nodes=12,
+        single = expand_trees(U[i], roots[i], markov=dr.markov_head, hidden=h[i], k=k, max_nodes=12,
                               mode=mode)[0]
         assert batched[i].tokens == single.tokens and batched[i].parents == single.parents
 
@@ -434,7 +435,7 @@ def test_method_lifecycle_and_batching(tmp_path):
                                       committed=[1])])
     m.observe(["a"], [StepOutcome(tree=trees[0], root_argmax=0, node_argmax=[], accepted=[0],
                                   committed=[1, 2], hidden=rows(2, 5).view(2, 3, D).transpose(0, 1))])
-    assert m._reqs["a"].ctx.next_position == 7 and m._reqs["c"].ctx.next_position == 12
+    assert m._requests["a"].ctx.next_position == 7 and m._requests["c"].ctx.next_position == 12
     assert m.num_requests() == 3 and m.has("b")
     m.finish("b")
     m.finish("nope")
@@ -458,7 +459,7 @@ def test_missing_drafter_says_how_to_train(monkeypatch, tmp_path):
     save_drafter(dr, tmp_path / "d")
     monkeypatch.setenv(pm.ENV_DRAFTER, str(tmp_path / "d"))
     m = PCTreeMethod(PCTreeConfig(), TARGET, dr.embed_tokens.weight.detach())
-    assert m.drafter_path == tmp_path / "d" and m.depth == dr.block_size
+    assert m.drafter_path == tmp_path / "d" and m.config.depth == dr.block_size
 
 
 def test_markov_head_bias_is_low_rank_product():

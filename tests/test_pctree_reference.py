@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from vllm_ptd.config import PCTreeConfig
+from vllm_ptd.pctree.config import PCTreeConfig
 from vllm_ptd.pctree.checkpoint import load_target_embeddings, save_drafter
 from vllm_ptd.pctree.drafter import DSparkConfig, DSparkDrafter
 from vllm_ptd.pctree.method import PCTreeMethod, packaged_drafters
@@ -68,7 +68,7 @@ def test_trained_drafter_lossless_and_accepts(model_path, tokenizer, trained_dir
     from vllm_ptd.datasets import chat_prompt_ids
 
     eng = ReferenceEngine(model_path, dtype=torch.float32)
-    methods = {mode: PCTreeMethod(PCTreeConfig(mode=mode, branching=4, max_nodes=16), eng.model.config,
+    methods = {mode: PCTreeMethod(PCTreeConfig(mode=mode, branching=1 if mode == "chain" else 4, max_nodes=16), eng.model.config,
                                   (eng.model.get_input_embeddings().weight, eng.model.get_output_embeddings().weight))
                for mode in ("pctree", "chain")}
     assert methods["pctree"].hidden_layer_ids == (2, 10, 19, 28)

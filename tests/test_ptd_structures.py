@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from vllm_ptd.config import PTDConfig
+from vllm_ptd.ptd.config import PTDConfig
 from vllm_ptd.method import StepOutcome
 from vllm_ptd.metrics import SpecMetrics
 from vllm_ptd.ptd.candidate_pool import CandidatePool

@@ -9,7 +9,7 @@ the plain run's top-2 logits nearly tie. Also the context end (max_model_len) on
 import pytest
 import torch
 
-from vllm_ptd.config import PTDConfig
+from vllm_ptd.ptd.config import PTDConfig
 from vllm_ptd.datasets import chat_prompt_ids, load_prompts
 from vllm_ptd.metrics import SpecMetrics
 from vllm_ptd.ptd.method import PTDMethod

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from vllm_ptd.config import PTDConfig
+from vllm_ptd.ptd.config import PTDConfig
 from vllm_ptd.method import StepOutcome, TreeMethod
 from vllm_ptd.ptd.method import PTDMethod
 from vllm_ptd.reference import ReferenceEngine

@@ -175,7 +175,7 @@ class TestPTD:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from vllm_ptd.config import PTDConfig
+        from vllm_ptd.ptd.config import PTDConfig
         from vllm_ptd.ptd.method import PTDMethod
         from vllm_ptd.reference import ReferenceEngine
 

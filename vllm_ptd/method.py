@@ -1,13 +1,19 @@
-"""The narrow interface every tree method implements.
+"""The narrow interface every tree method implements, and the description each method
+package gives of itself.
 
-The same objects serve the reference engine (one sequence) and the vLLM path (a batch of
-requests): one step is ``propose`` -> one target forward -> verification -> ``observe``.
-Nothing here imports vLLM.
+The same method objects serve the reference engine (one sequence) and the vLLM path (a
+batch of requests): one step is ``propose`` -> one target forward -> verification ->
+``observe``. Nothing here imports vLLM.
+
+A method is one sub-package of ``vllm_ptd`` with a module ``spec.py`` that exports
+``METHOD: MethodSpec`` (see :mod:`vllm_ptd.methods`): its config class, how to build it,
+whether it needs the target's hidden states and what it asks of the engine.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any, Callable, Generic, TypeVar
 
 import torch
 
@@ -35,12 +41,22 @@ class StepOutcome:
     hidden: torch.Tensor | None = None
 
 
-class TreeMethod(ABC):
-    """Per-request drafting state plus the batched proposal of next step's trees."""
+State = TypeVar("State")
+
+
+class TreeMethod(ABC, Generic[State]):
+    """Per-request drafting state plus the batched proposal of next step's trees.
+
+    The per-request map lives here: subclasses keep one ``State`` per request id in
+    ``self._requests`` (created by ``start``), and ``has`` / ``finish`` / ``num_requests``
+    need no override."""
 
     #: the method wants the target's hidden states at ``hidden_layer_ids`` (PCTree).
     needs_hidden: bool = False
     hidden_layer_ids: tuple[int, ...] = ()
+
+    def __init__(self) -> None:
+        self._requests: dict[str, State] = {}
 
     @property
     @abstractmethod
@@ -61,12 +77,50 @@ class TreeMethod(ABC):
     def propose(self, req_ids: list[str], last_tokens: list[int]) -> list[FlatTree]:
         """Next step's tree for each request, rooted at its last committed token."""
 
-    @abstractmethod
     def finish(self, req_id: str) -> None:
         """Drop the request's state (finished, aborted or preempted). Unknown ids are fine."""
+        self._requests.pop(req_id, None)
 
     def has(self, req_id: str) -> bool:
-        return False
+        return req_id in self._requests
 
     def num_requests(self) -> int:
-        return 0
+        return len(self._requests)
+
+
+@dataclass
+class BuildContext:
+    """What a method factory gets from the engine (plain values, no vLLM objects)."""
+
+    target_config: Any                       # the target's HF config
+    eos_token_ids: list[int]
+    tokenizer: str                           # tokenizer name or folder
+    device: torch.device
+    dtype: torch.dtype
+    target_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None  # (embed, lm_head)
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One method's description, exported by its package's ``spec.py`` as ``METHOD``.
+
+    * ``config_cls``: a dataclass of the method's keys whose ``__post_init__`` refuses bad
+      values naming the key; ``resolved(device, target_config)`` returns a copy with every
+      device- or model-dependent default filled in, and ``max_tree_nodes`` the most nodes a
+      tree of that config can have (the per-step reservation vLLM makes).
+    * ``build(options, ctx)``: the :class:`TreeMethod`.
+    * ``needs_hidden``: the method reads the target's hidden states at
+      ``hidden_layer_ids(options, target_config)``.
+    * ``engine_overrides(options)``: engine arguments the method needs, as
+      ``{name: (value, why)}``; the integration sets and logs them.
+    * ``check_engine(options, target_config)``: raise ValueError if the method cannot run
+      on this target (before any engine process starts).
+    """
+
+    name: str
+    config_cls: type
+    build: Callable[[Any, BuildContext], TreeMethod]
+    needs_hidden: bool = False
+    hidden_layer_ids: Callable[[Any, Any], tuple[int, ...]] | None = None
+    engine_overrides: Callable[[Any], dict[str, tuple[Any, str]]] | None = None
+    check_engine: Callable[[Any, Any], None] | None = None

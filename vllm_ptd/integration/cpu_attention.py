@@ -22,7 +22,6 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from vllm_ptd.integration.kv_stash import TreeKVStashMixin
-from vllm_ptd.integration.step import active_step
 
 SUPPORTED_ISA = "vec"
 
@@ -82,7 +81,7 @@ class TreeCPUAttentionImpl(TreeKVStashMixin, CPUAttentionBackendImpl):
                 output_scale=None, output_block_scale=None):
         super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                         output_scale, output_block_scale)
-        step = active_step()
+        step = self.tree_step
         if step is None or attn_metadata is None or not step.rows.req_rows:
             return output
         out = output.view(output.shape[0], self.num_heads, self.head_size)

@@ -1,11 +1,12 @@
-"""EngineArgsPatch: accept ``{"method": "ptd" | "pctree", ...}`` in speculative_config.
+"""EngineArgsPatch: accept ``{"method": "ptd" | "pctree" | ..., ...}`` in speculative_config.
 
 vLLM's SpeculativeConfig refuses unknown methods (a pydantic Literal) and unknown keys. This
 patch, applied before the engine config is made (for ``LLM(...)`` and the serve command
-alike), validates our keys, moves them to ``additional_config["vllm_ptd"]`` (which reaches
-every worker) and rewrites the dict to vLLM's ``custom_class`` method pointing at
-``TreeProposer``, with ``num_speculative_tokens`` = the largest flattened tree, so the
-scheduler's per-step KV reservation always covers a whole tree.
+alike), validates the method's keys, resolves its device- and model-dependent defaults, moves
+them to ``additional_config["vllm_ptd"]`` (which reaches every worker) and rewrites the dict
+to vLLM's ``custom_class`` method pointing at ``TreeProposer``, with
+``num_speculative_tokens`` = the largest flattened tree, so the scheduler's per-step KV
+reservation always covers a whole tree. Methods are looked up in :mod:`vllm_ptd.methods`.
 """
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import os
 
 from vllm.engine.arg_utils import EngineArgs
 
-from vllm_ptd.config import PCTreeConfig, PTDConfig, parse_speculative_config
+from vllm_ptd.config import parse_speculative_config
 from vllm_ptd.integration.patching import Patch
+from vllm_ptd.methods import find_method, method_names
 
 PROPOSER_CLASS = "vllm_ptd.integration.proposer.TreeProposer"
 ADDITIONAL_CONFIG_KEY = "vllm_ptd"
@@ -30,12 +32,14 @@ def _device_kind() -> str:
     return "cuda" if current_platform.device_type == "cuda" else "cpu"
 
 
-def rewrite_speculative_config(spec: dict, device: str) -> tuple[dict, dict]:
-    """(vLLM's speculative_config, our additional_config entry) for a ptd/pctree dict."""
+def is_tree_method(spec) -> bool:
+    return isinstance(spec, dict) and spec.get("method") in method_names()
+
+
+def rewrite_speculative_config(spec: dict, device: str, target_config) -> tuple[dict, dict]:
+    """(vLLM's speculative_config, our additional_config entry) for a tree-method dict."""
     parsed = parse_speculative_config(spec)
-    opts = parsed.options
-    if isinstance(opts, PTDConfig):
-        opts = opts.resolved(device)
+    opts = parsed.options.resolved(device, target_config)
     tree_nodes = opts.max_tree_nodes
     k = parsed.num_speculative_tokens
     if k is None:
@@ -44,51 +48,70 @@ def rewrite_speculative_config(spec: dict, device: str) -> tuple[dict, dict]:
         raise ValueError(
             f"speculative_config['num_speculative_tokens'] = {k} is smaller than the largest "
             f"tree ({tree_nodes} nodes); leave it out, it is derived from the tree budgets")
-    vllm_spec = {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": k,
-                 **parsed.extra_vllm}
-    ours = {"method": parsed.method, "options": dataclasses.asdict(opts), "device": device}
+    vllm_spec = {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": k}
+    ours = {"method": parsed.method, "options": dataclasses.asdict(opts),
+            "disable_by_batch_size": parsed.disable_by_batch_size}
     return vllm_spec, ours
+
+
+def _target_config(args: EngineArgs):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code,
+                                      revision=args.revision)
+
+
+def _mode_name(value) -> str:
+    return str(value).upper().split(".")[-1]
 
 
 class EngineArgsPatch(Patch):
     target = EngineArgs
 
     def create_engine_config(self, *args, **kwargs):
+        orig = EngineArgsPatch.original("create_engine_config")
         spec = self.speculative_config
-        if not (isinstance(spec, dict) and spec.get("method") in ("ptd", "pctree")):
-            return self._orig_create_engine_config(*args, **kwargs)
+        if not is_tree_method(spec):
+            return orig(self, *args, **kwargs)
         device = _device_kind()
         vllm_spec, ours = rewrite_speculative_config(
-            {k.replace("-", "_"): v for k, v in spec.items()}, device)
+            {k.replace("-", "_"): v for k, v in spec.items()}, device, _target_config(self))
+        method = find_method(ours["method"])
         self.speculative_config = vllm_spec
         self.additional_config = dict(self.additional_config or {})
         self.additional_config[ADDITIONAL_CONFIG_KEY] = ours
-        if ours["method"] == "pctree":
-            # The drafter's context is the target's hidden states of every prompt row;
-            # prefix-cache hits skip those rows, so the cache must stay off.
-            self.enable_prefix_caching = False
+        options = method.config_cls(**ours["options"])
+        for name, (value, why) in (method.engine_overrides(options) if method.engine_overrides
+                                   else {}).items():
+            if getattr(self, name, None) != value:
+                logger.info("vllm-ptd %s: %s = %r (%s)", method.name, name, value, why)
+            setattr(self, name, value)
         if device == "cuda":
             # The runner patches live in the V1 model runner; tree rows need the Triton
             # attention backend with the project's tree kernel, and FULL CUDA graphs would
-            # freeze attention metadata per step, so only PIECEWISE graphs.
+            # capture attention (and freeze its tree rows), so only PIECEWISE graphs, in
+            # which attention runs eagerly between the captured pieces.
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
             if self.attention_backend is None:
                 self.attention_backend = "TRITON_ATTN"
-            elif str(self.attention_backend).upper().split(".")[-1] != "TRITON_ATTN":
+            elif _mode_name(self.attention_backend) != "TRITON_ATTN":
                 raise ValueError(f"attention_backend {self.attention_backend!r} cannot carry "
                                  f"vllm-ptd's tree rows; use TRITON_ATTN (or leave it unset)")
             asked = getattr(self.compilation_config, "cudagraph_mode", None)
-            if asked is not None and str(asked).upper().split(".")[-1] not in ("PIECEWISE", "NONE"):
+            if asked is not None and _mode_name(asked) not in ("PIECEWISE", "NONE"):
                 logger.warning("vllm-ptd: cudagraph_mode %s would capture attention (and its "
                                "tree rows) in full CUDA graphs; using PIECEWISE instead", asked)
-            if asked is None or str(asked).upper().split(".")[-1] != "NONE":
+            if asked is None or _mode_name(asked) != "NONE":
                 self.compilation_config.cudagraph_mode = "PIECEWISE"
-        config = self._orig_create_engine_config(*args, **kwargs)
-        if ours["method"] == "pctree":
-            # refuse a drafter that does not fit here, before any engine process starts
-            from vllm_ptd.pctree.checkpoint import check_drafter_fits
-            from vllm_ptd.pctree.method import resolve_drafter_path
-
-            hf_config = config.model_config.hf_config
-            check_drafter_fits(resolve_drafter_path(ours["options"]["model"], hf_config), hf_config)
+        config = orig(self, *args, **kwargs)
+        max_len = config.model_config.max_model_len
+        k = vllm_spec["num_speculative_tokens"]
+        if k + 1 > max_len:
+            raise ValueError(
+                f"the tree budget of {k} nodes per step (num_speculative_tokens, from the "
+                f"method's node budgets) does not fit max_model_len {max_len}; lower the "
+                f"budgets below {max_len - 1} nodes")
+        if method.check_engine is not None:
+            # refuse what cannot run here before any engine process starts
+            method.check_engine(options, config.model_config.hf_config)
         return config

@@ -17,7 +17,6 @@ from __future__ import annotations
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
 
 from vllm_ptd.integration.kv_stash import TreeKVStashMixin
-from vllm_ptd.integration.step import active_step
 from vllm_ptd.kernels import tree_attention
 
 
@@ -26,7 +25,7 @@ class TreeTritonAttentionImpl(TreeKVStashMixin, TritonAttentionImpl):
                 output_scale=None, output_block_scale=None):
         super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                         output_scale, output_block_scale)
-        step = active_step()
+        step = self.tree_step
         if step is None or attn_metadata is None or output_scale is not None:
             return output
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_ptd.integration.step import active_step
+from vllm_ptd.integration.step import StepChannel
 
 
 class StashedKV(NamedTuple):
@@ -31,11 +31,19 @@ class StashedKV(NamedTuple):
 
 
 class TreeKVStashMixin:
-    """Mix in before a vLLM attention impl that has ``do_kv_cache_update``."""
+    """Mix in before a vLLM attention impl that has ``do_kv_cache_update``. Also the mark of
+    a tree attention impl: ``tree_channel`` is set by ``bind_tree_attention`` when the model
+    is loaded (None: no tree method runs, the impl is vLLM's own)."""
+
+    tree_channel: StepChannel | None = None
+
+    @property
+    def tree_step(self):
+        return self.tree_channel.step if self.tree_channel is not None else None
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        step = active_step()
+        step = self.tree_step
         if step is None or kv_cache.numel() == 0 or step.num_verify_rows == 0:
             return
         rows = step.verify_rows_on(key.device)
@@ -45,3 +53,20 @@ class TreeKVStashMixin:
     def write_kv_rows(self, layer, key, value, kv_cache, slots) -> None:
         """Write K/V rows to the given slots with the backend's own cache writer."""
         super().do_kv_cache_update(layer, key, value, kv_cache, slots)
+
+
+def bind_tree_attention(runner, channel: StepChannel) -> None:
+    """Hand the step channel to every attention layer of the runner's model. Every layer
+    must run the project's tree backend: any other backend would attend causally over the
+    tree rows and keep no K/V for the accepted-row moves, so the output would silently
+    differ from plain decoding."""
+    impls = [layer.impl for layer in runner.compilation_config.static_forward_context.values()
+             if getattr(layer, "impl", None) is not None]
+    other = sorted({type(impl).__name__ for impl in impls
+                    if not isinstance(impl, TreeKVStashMixin)})
+    if other:
+        want = "CPU_ATTN" if runner.device.type == "cpu" else "TRITON_ATTN"
+        raise ValueError(f"vllm-ptd tree speculation needs the {want} attention backend with "
+                         f"tree rows; this model's attention layers use {', '.join(other)}")
+    for impl in impls:
+        impl.tree_channel = channel

@@ -11,7 +11,6 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_ptd.integration.patching import Patch
 from vllm_ptd.integration.proposer import TreeProposer
-from vllm_ptd.integration.step import active_step, set_active_step
 
 
 def _tree_proposer(runner) -> TreeProposer | None:
@@ -20,8 +19,8 @@ def _tree_proposer(runner) -> TreeProposer | None:
 
 
 def _register_tree_attention(device_type: str) -> None:
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.attention import selector
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     if device_type == "cpu":
         register_backend(AttentionBackendEnum.CPU_ATTN,
@@ -35,27 +34,11 @@ def _register_tree_attention(device_type: str) -> None:
             fn.cache_clear()
 
 
-def _check_tree_attention(runner) -> None:
-    """Every attention layer must run the project's tree backend: any other backend would
-    attend causally over the tree rows and keep no K/V for the accepted-row moves, so the
-    output would silently differ from plain decoding."""
-    from vllm_ptd.integration.kv_stash import TreeKVStashMixin
-
-    layers = runner.compilation_config.static_forward_context.values()
-    other = sorted({type(layer.impl).__name__ for layer in layers
-                    if getattr(layer, "impl", None) is not None
-                    and not isinstance(layer.impl, TreeKVStashMixin)})
-    if other:
-        want = "CPU_ATTN" if runner.device.type == "cpu" else "TRITON_ATTN"
-        raise ValueError(f"vllm-ptd tree speculation needs the {want} attention backend with "
-                         f"tree rows; this model's attention layers use {', '.join(other)}")
-
-
 class GPUModelRunnerPatch(Patch):
     target = GPUModelRunner
 
     def __init__(self, vllm_config, device, *args, **kwargs):
-        self._orig___init__(vllm_config, device, *args, **kwargs)
+        GPUModelRunnerPatch.original("__init__")(self, vllm_config, device, *args, **kwargs)
         proposer = _tree_proposer(self)
         if proposer is None:
             return
@@ -66,10 +49,9 @@ class GPUModelRunnerPatch(Patch):
 
     def load_model(self, *args, **kwargs):
         # vLLM's CPU runner loads its drafter itself; the GPU runner does not for custom_class
-        result = self._orig_load_model(*args, **kwargs)
+        result = GPUModelRunnerPatch.original("load_model")(self, *args, **kwargs)
         proposer = _tree_proposer(self)
         if proposer is not None:
-            _check_tree_attention(self)
             proposer.load_model(self.model)
         return result
 
@@ -77,7 +59,7 @@ class GPUModelRunnerPatch(Patch):
         proposer = _tree_proposer(self)
         if proposer is not None and proposer.needs_hidden:
             return proposer.hidden_layer_ids()
-        return self._orig__get_eagle3_aux_layers_from_config()
+        return GPUModelRunnerPatch.original("_get_eagle3_aux_layers_from_config")(self)
 
     def _update_states(self, scheduler_output):
         proposer = _tree_proposer(self)
@@ -89,10 +71,18 @@ class GPUModelRunnerPatch(Patch):
             gone |= set(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
             if gone:
                 proposer.forget(gone)
-        return self._orig__update_states(scheduler_output)
+        return GPUModelRunnerPatch.original("_update_states")(self, scheduler_output)
+
+    def execute_model(self, *args, **kwargs):
+        proposer = _tree_proposer(self)
+        if proposer is None:
+            return GPUModelRunnerPatch.original("execute_model")(self, *args, **kwargs)
+        with proposer.channel.guard():
+            return GPUModelRunnerPatch.original("execute_model")(self, *args, **kwargs)
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
-        result = self._orig__prepare_inputs(scheduler_output, num_scheduled_tokens)
+        result = GPUModelRunnerPatch.original("_prepare_inputs")(
+            self, scheduler_output, num_scheduled_tokens)
         proposer = _tree_proposer(self)
         if proposer is not None:
             proposer.prepare_step(scheduler_output, num_scheduled_tokens)
@@ -100,27 +90,34 @@ class GPUModelRunnerPatch(Patch):
 
     def _sample(self, logits, spec_decode_metadata):
         proposer = _tree_proposer(self)
-        if proposer is None or spec_decode_metadata is None or active_step() is None:
-            return self._orig__sample(logits, spec_decode_metadata)
+        if proposer is None or spec_decode_metadata is None or proposer.channel.step is None:
+            return GPUModelRunnerPatch.original("_sample")(self, logits, spec_decode_metadata)
         try:
-            return proposer.verify(logits, spec_decode_metadata, self._orig__sample)
+            return proposer.verify(logits, spec_decode_metadata,
+                                   GPUModelRunnerPatch.original("_sample").__get__(self))
         finally:
-            set_active_step(None)
+            proposer.channel.close()
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
                                 hidden_states, sample_hidden_states, aux_hidden_states,
                                 *args, **kwargs):
         proposer = _tree_proposer(self)
-        if proposer is not None and proposer.needs_hidden and aux_hidden_states:
-            proposer.step_hidden = torch.cat(list(aux_hidden_states), dim=-1)
-        return self._orig_propose_draft_token_ids(
-            scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
-            sample_hidden_states, aux_hidden_states, *args, **kwargs)
+        if proposer is None:
+            return GPUModelRunnerPatch.original("propose_draft_token_ids")(
+                self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                sample_hidden_states, aux_hidden_states, *args, **kwargs)
+        # what vLLM's own custom_class branch does, with the hidden states passed on
+        self._draft_probs = None
+        self._draft_prob_req_ids = None
+        hidden = None
+        if proposer.needs_hidden and aux_hidden_states:
+            hidden = torch.cat(list(aux_hidden_states), dim=-1)
+        return proposer.propose(sampled_token_ids, self.input_batch.num_tokens_no_spec,
+                                self.input_batch.token_ids_cpu, hidden=hidden)
 
     def _input_fits_in_drafter(self, common_attn_metadata):
         # vLLM zeroes every request's drafts when the longest one nears max_model_len; the
         # proposer instead cuts each tree to its own request's room.
         if _tree_proposer(self) is not None:
             return common_attn_metadata is not None
-        return self._orig__input_fits_in_drafter(common_attn_metadata)
-
+        return GPUModelRunnerPatch.original("_input_fits_in_drafter")(self, common_attn_metadata)

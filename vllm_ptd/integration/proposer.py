@@ -5,12 +5,13 @@ one engine step:
 
 1. ``prepare_step`` (end of ``_prepare_inputs``): look up each decoding request's stored tree,
    cut it to what the scheduler kept, rewrite the tree rows' positions (root + depth) and
-   publish the step for the attention backend.
+   open the step on the channel the attention backends read.
 2. ``verify`` (instead of the rejection sampler): greedy or sampling tree walk per request,
    move the accepted rows' K/V to the slots of their final positions, hand vLLM
    ``[accepted tokens..., bonus]`` per request.
-3. ``propose`` (vLLM's drafting hook): feed the outcome back to the method (PTD grows its
-   draft tree and pool; PCTree appends hidden states) and return next step's flattened trees.
+3. ``propose`` (instead of vLLM's drafting call): feed the outcome back to the method (PTD
+   grows its draft tree and pool; PCTree appends hidden states) and return next step's
+   flattened trees.
 """
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ import os
 import numpy as np
 import torch
 
-from vllm_ptd.config import PCTreeConfig, PTDConfig
-from vllm_ptd.integration.step import TreeStep, active_step, build_step, set_active_step
-from vllm_ptd.method import StepOutcome, TreeMethod
+from vllm_ptd.integration.kv_stash import bind_tree_attention
+from vllm_ptd.integration.step import StepChannel, TreeStep, build_step
+from vllm_ptd.method import BuildContext, StepOutcome, TreeMethod
+from vllm_ptd.methods import find_method
 from vllm_ptd.metrics import SpecMetrics
 from vllm_ptd.tree import FlatTree
 from vllm_ptd.verify import batch_walk_lists, greedy_walk_batch, sampling_walk, target_probs
@@ -31,6 +33,7 @@ from vllm_ptd.verify import batch_walk_lists, greedy_walk_batch, sampling_walk, 
 logger = logging.getLogger("vllm_ptd")
 
 GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
+LOG_EVERY_STEPS = 500
 
 
 def _eos_ids(model_config) -> list[int]:
@@ -81,7 +84,8 @@ def accepted_kv_moves(step: TreeStep, paths: list[list[int]]) -> tuple[list[int]
 
 def move_kv(step: TreeStep, src_verify_rows: list[int], dst_rows: list[int]) -> None:
     """Re-write stashed verify rows' K/V into the slots of the given batch rows, through each
-    layer's own cache writer (so any KV layout and dtype works)."""
+    layer's own cache writer (so any KV layout and dtype works). The index tensors are made
+    once for all layers."""
     if not src_verify_rows:
         return
     src = dst = None
@@ -99,67 +103,50 @@ class TreeProposer:
         if entry is None:
             raise RuntimeError("TreeProposer is set up by speculative_config method 'ptd' or "
                                "'pctree' (with the vllm-ptd plugin loaded), not by hand")
-        self.kind: str = entry["method"]
-        self.options = (PTDConfig if self.kind == "ptd" else PCTreeConfig)(**entry["options"])
+        self.spec = find_method(entry["method"])
+        self.kind: str = self.spec.name
+        self.options = self.spec.config_cls(**entry["options"])
+        self.disable_by_batch_size: int | None = entry.get("disable_by_batch_size")
         self.model_config = vllm_config.model_config
         self.max_model_len = vllm_config.model_config.max_model_len
         self.num_spec = vllm_config.speculative_config.num_speculative_tokens
-        self.method: TreeMethod | None = None
-        if self.kind == "ptd":
-            self.method = self._make_ptd()
+        self.method: TreeMethod | None = None  # built in load_model
         self.runner = None
+        self.channel = StepChannel()
         self.trees: dict[str, FlatTree] = {}        # what the scheduler got last step
         self.outcomes: dict[str, StepOutcome] = {}  # what this step's verification found
         self.prompt_hidden: dict[str, list[torch.Tensor]] = {}
-        self.step_hidden: torch.Tensor | None = None
         self.metrics = SpecMetrics()
         self._steps = 0
         trace = os.environ.get("VLLM_PTD_TRACE")
         self.trace = open(trace, "a", buffering=1) if trace else None
 
     # ---- set-up -----------------------------------------------------------------------
-    def _make_ptd(self) -> TreeMethod:
-        from vllm_ptd.ptd.method import PTDMethod
-
-        decode = None
-        if self.options.seeding == "entity":
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(self.model_config.tokenizer)
-            decode = lambda t: tok.decode([t])  # noqa: E731
-        return PTDMethod(self.options, _eos_ids(self.model_config), decode)
-
     @property
     def needs_hidden(self) -> bool:
-        return self.kind == "pctree"
+        return self.spec.needs_hidden
 
     def hidden_layer_ids(self) -> tuple[int, ...]:
-        """The target layers PCTree's drafter reads (HF ``output_hidden_states`` indices,
-        which are also vLLM's EAGLE-3 aux-layer indices: the input of that layer). Read from
-        the drafter's config, as the GPU runner asks before the drafter is loaded."""
-        from vllm_ptd.pctree.checkpoint import read_drafter_config
-        from vllm_ptd.pctree.drafter import hidden_layer_ids_from_target_layer_ids
-        from vllm_ptd.pctree.method import resolve_drafter_path
-
-        path = resolve_drafter_path(self.options.model, self.model_config.hf_config)
-        return hidden_layer_ids_from_target_layer_ids(read_drafter_config(path).target_layer_ids)
+        """The target layers the method reads (the GPU runner asks before the model loads)."""
+        return self.spec.hidden_layer_ids(self.options, self.model_config.hf_config)
 
     def bind(self, runner) -> None:
         self.runner = runner
 
     def load_model(self, target_model) -> None:
-        """vLLM's CPU runner calls this after loading the target (GPU: the runner patch).
-        PCTree's compact drafter shares the target's embedding and lm_head."""
-        if self.kind != "pctree" or self.method is not None:
+        """vLLM's CPU runner calls this after loading the target (GPU: the runner patch)."""
+        if self.method is not None:
             return
-        from vllm_ptd.pctree.method import PCTreeMethod
-
+        bind_tree_attention(self.runner, self.channel)
         vocab = self.model_config.hf_config.vocab_size
         embed = target_model.model.embed_tokens.weight[:vocab]  # vLLM's decoder-only layout
         lm_head = getattr(target_model, "lm_head", None)
         head = lm_head.weight[:vocab] if lm_head is not None and hasattr(lm_head, "weight") else embed
-        self.method = PCTreeMethod(self.options, self.model_config.hf_config, (embed, head),
-                                   dtype=embed.dtype, device=embed.device)
+        ctx = BuildContext(target_config=self.model_config.hf_config,
+                           eos_token_ids=_eos_ids(self.model_config),
+                           tokenizer=self.model_config.tokenizer, device=embed.device,
+                           dtype=embed.dtype, target_embeddings=(embed, head))
+        self.method = self.spec.build(self.options, ctx)
 
     # ---- request life cycle -----------------------------------------------------------
     def forget(self, req_ids) -> None:
@@ -176,13 +163,12 @@ class TreeProposer:
 
     # ---- 1. before the forward --------------------------------------------------------
     def prepare_step(self, scheduler_output, num_scheduled_tokens: np.ndarray) -> None:
-        set_active_step(None)
+        self.channel.close()
         spec = scheduler_output.scheduled_spec_decode_tokens
         if not spec:
             return
-        runner = self.runner
-        ib = runner.input_batch
-        qsl = runner.query_start_loc.np
+        ib = self.runner.input_batch
+        qsl = self.runner.query_start_loc.np
         req_ids, batch_idx, trees, starts, ctx, proposed = [], [], [], [], [], []
         for b, req_id in enumerate(ib.req_ids[: ib.num_reqs]):
             scheduled = spec.get(req_id)
@@ -205,80 +191,103 @@ class TreeProposer:
             return
         step = build_step(req_ids, batch_idx, trees, starts, ctx, self.runner.positions)
         step.proposed_nodes = proposed
-        set_active_step(step)
+        self.channel.open(step)
 
     # ---- 2. instead of the rejection sampler ------------------------------------------
     def verify(self, logits: torch.Tensor, spec_meta, orig_sample) -> "SamplerOutput":  # noqa: F821
+        """The step's tokens for every request, in named steps: vLLM's sampler for requests
+        without a tree, the argmax at every tree row, the walks, the record of what each
+        request learnt, the K/V moves; the output is built on the host and copied once."""
         from vllm.v1.outputs import SamplerOutput
 
-        step = active_step()
-        runner = self.runner
-        sm = runner.input_batch.sampling_metadata
-        num_draft = list(spec_meta.num_draft_tokens)
-        R = len(num_draft)
-        width = max(num_draft) + 1
-        out = torch.full((R, width), -1, dtype=torch.int32, device=logits.device)
-        tree_b = set(step.batch_indices)
-        if len(tree_b) < R:
-            # Requests without a tree go through vLLM's own sampler, unchanged. It also draws
-            # for the tree requests (as chains); keep their seeded generators untouched.
-            saved = {b: sm.generators[b].get_state() for b in step.batch_indices
-                     if b in sm.generators}
-            theirs = orig_sample(logits.clone(), spec_meta).sampled_token_ids
-            for b, state in saved.items():
-                sm.generators[b].set_state(state)
-            keep = [b for b in range(R) if b not in tree_b]
-            out[keep] = theirs[keep, :width].to(out.dtype)
+        step = self.channel.step
+        sm = self.runner.input_batch.sampling_metadata
+        num_draft = np.asarray(spec_meta.num_draft_tokens, dtype=np.int64)
+        out = np.full((len(num_draft), int(num_draft.max()) + 1), -1, dtype=np.int32)
+        self._sample_untreed(logits, spec_meta, orig_sample, step, sm, out)
+        # logits row of each request's root: requests own num_draft + 1 consecutive rows
+        logits_start = np.cumsum(num_draft + 1) - (num_draft + 1)
+        root_rows = logits_start[step.batch_indices]
+        argmax = self._tree_argmax(logits, step, root_rows)
+        walks = self._walk(logits, step, sm, root_rows, argmax)
+        for i, (_, committed) in enumerate(walks):
+            out[step.batch_indices[i], : len(committed)] = committed
+        self._record(step, argmax, walks)
+        move_kv(step, *accepted_kv_moves(step, [accepted for accepted, _ in walks]))
+        return SamplerOutput(sampled_token_ids=torch.from_numpy(out).to(logits.device),
+                             logprobs_tensors=None)
 
-        sampled_rows = torch.cumsum(torch.tensor([n + 1 for n in num_draft]), 0) - torch.tensor(
-            [n + 1 for n in num_draft])
-        rows_of = [sampled_rows[b].item() for b in step.batch_indices]
-        # argmax at every tree row: greedy acceptance, and what PTD's draft rows predicted
-        packed = torch.cat([torch.arange(r, r + t.num_nodes + 1) for r, t in zip(rows_of, step.trees)])
-        argmax = logits[packed.to(logits.device)].argmax(dim=-1).cpu()
-        num_acc, acc, com = greedy_walk_batch(step.batch, argmax)
-        walks = batch_walk_lists(num_acc, acc, com)
-        temps = sm.temperature.cpu() if sm.temperature is not None and not sm.all_greedy else None
+    @staticmethod
+    def _sample_untreed(logits, spec_meta, orig_sample, step: TreeStep, sm, out: np.ndarray) -> None:
+        """Requests without a tree go through vLLM's own sampler, unchanged. It also draws
+        for the tree requests (as chains); their seeded generators are kept untouched."""
+        tree_b = set(step.batch_indices)
+        if len(tree_b) == out.shape[0]:
+            return
+        saved = {b: sm.generators[b].get_state() for b in step.batch_indices if b in sm.generators}
+        theirs = orig_sample(logits.clone(), spec_meta).sampled_token_ids
+        for b, state in saved.items():
+            sm.generators[b].set_state(state)
+        keep = [b for b in range(out.shape[0]) if b not in tree_b]
+        out[keep] = theirs[keep, : out.shape[1]].cpu().numpy()
+
+    @staticmethod
+    def _tree_argmax(logits: torch.Tensor, step: TreeStep, root_rows: np.ndarray) -> torch.Tensor:
+        """The target's argmax at every tree row ([root, nodes...] per request, packed): the
+        greedy walk's input and what PTD's draft rows predicted."""
+        lengths = np.array([t.num_nodes + 1 for t in step.trees], dtype=np.int64)
+        first = np.cumsum(lengths) - lengths
+        rows = np.repeat(root_rows - first, lengths) + np.arange(int(lengths.sum()))
+        return logits[torch.from_numpy(rows).to(logits.device)].argmax(dim=-1).cpu()
+
+    @staticmethod
+    def _walk(logits, step: TreeStep, sm, root_rows, argmax) -> list[tuple[list[int], list[int]]]:
+        """(accepted node indices, committed tokens) per tree request: the batched greedy
+        walk, then the sampling walk for requests that sample."""
+        walks = batch_walk_lists(*greedy_walk_batch(step.batch, argmax))
+        if sm.all_greedy or sm.temperature is None:
+            return walks
+        temps = sm.temperature.cpu().tolist()
+        for i, (b, tree) in enumerate(zip(step.batch_indices, step.trees)):
+            if temps[b] < GREEDY_EPS:
+                continue
+            r, nv = int(root_rows[i]), tree.num_verify
+            probs = target_probs(logits[r: r + nv + 1].float(), float(temps[b]),
+                                 float(sm.top_p[b]) if sm.top_p is not None else 1.0,
+                                 int(sm.top_k[b]) if sm.top_k is not None else -1)
+            walks[i] = sampling_walk(tree, probs, sm.generators.get(b))
+        return walks
+
+    def _record(self, step: TreeStep, argmax: torch.Tensor, walks) -> None:
+        """Each request's StepOutcome for ``propose``, the metrics and the trace."""
+        arg = argmax.tolist()
         pos = 0
-        paths = []
-        for i, (req_id, b, tree) in enumerate(zip(step.req_ids, step.batch_indices, step.trees)):
+        for i, (req_id, tree) in enumerate(zip(step.req_ids, step.trees)):
             n = tree.num_nodes
-            rows_arg = argmax[pos: pos + n + 1].tolist()
-            pos += n + 1
             accepted, committed = walks[i]
-            if temps is not None and float(temps[b]) >= GREEDY_EPS:
-                r = rows_of[i]
-                nv = tree.num_verify
-                probs = target_probs(logits[r: r + nv + 1].float(), float(temps[b]),
-                                     float(sm.top_p[b]) if sm.top_p is not None else 1.0,
-                                     int(sm.top_k[b]) if sm.top_k is not None else -1)
-                accepted, committed = sampling_walk(tree, probs, sm.generators.get(b))
-            out[b, : len(committed)] = torch.tensor(committed, dtype=torch.int32)
-            self.outcomes[req_id] = StepOutcome(tree=tree, root_argmax=rows_arg[0],
-                                                node_argmax=rows_arg[1:], accepted=accepted,
-                                                committed=committed)
-            paths.append(accepted)
+            self.outcomes[req_id] = StepOutcome(tree=tree, root_argmax=arg[pos],
+                                                node_argmax=arg[pos + 1: pos + 1 + n],
+                                                accepted=accepted, committed=committed)
+            pos += n + 1
             self.metrics.record(committed=len(committed), accepted=len(accepted),
                                 verify_rows=tree.num_verify, draft_rows=n - tree.num_verify)
             if self.trace is not None:
-                self.trace.write(json.dumps({"req": req_id, "nodes": n,
-                                             "proposed": step.proposed_nodes[i],
-                                             "verify": tree.num_verify,
-                                             "accepted": len(accepted), "committed": len(committed)}) + "\n")
-        move_kv(step, *accepted_kv_moves(step, paths))
+                self.trace.write(json.dumps({
+                    "req": req_id, "nodes": n, "proposed": step.proposed_nodes[i],
+                    "verify": tree.num_verify, "accepted": len(accepted),
+                    "committed": len(committed)}) + "\n")
         self._steps += 1
-        if self._steps % 500 == 0:
+        if self._steps % LOG_EVERY_STEPS == 0:
             logger.info("vllm-ptd %s: %s", self.kind, self.metrics.summary())
-        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
 
-    # ---- 3. vLLM's drafting hook --------------------------------------------------------
+    # ---- 3. drafting --------------------------------------------------------------------
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
-                slot_mappings=None) -> list[list[int]]:
-        runner = self.runner
-        ib = runner.input_batch
-        qsl = runner.query_start_loc.np
-        hidden = self.step_hidden
-        self.step_hidden = None
+                hidden: torch.Tensor | None = None) -> list[list[int]]:
+        """Next step's flattened tree per request of the batch (empty: no speculation).
+        ``hidden``: the tapped hidden states of every row of the step, for methods that
+        need them."""
+        ib = self.runner.input_batch
+        qsl = self.runner.query_start_loc.np
         method = self.method
         out: list[list[int]] = [[] for _ in range(len(sampled_token_ids))]
         observe_ids, observe_outcomes, ready_ids, ready_last, ready_b = [], [], [], [], []
@@ -302,7 +311,8 @@ class TreeProposer:
                         hidden[int(qsl[b]): int(qsl[b + 1])])
                 if not toks:
                     continue
-                params = runner.requests[req_id].sampling_params if req_id in runner.requests else None
+                params = self.runner.requests[req_id].sampling_params \
+                    if req_id in self.runner.requests else None
                 if not _speculation_allowed(params):
                     self.prompt_hidden.pop(req_id, None)
                     continue
@@ -316,13 +326,19 @@ class TreeProposer:
             ready_b.append(b)
         if observe_ids:
             method.observe(observe_ids, observe_outcomes)
-        if ready_ids:
-            trees = method.propose(ready_ids, ready_last)
-            for req_id, b, tree in zip(ready_ids, ready_b, trees):
-                # the scheduler keeps positions below max_model_len: send what fits; the
-                # stored tree is cut to what was scheduled in the next prepare_step
-                room = max(self.max_model_len - 1 - int(num_tokens_no_spec[b]), 0)
-                tree = tree.truncated(self.num_spec)
-                self.trees[req_id] = tree
-                out[b] = tree.tokens[:room]
+        if not ready_ids:
+            return out
+        if self.disable_by_batch_size is not None and ib.num_reqs >= self.disable_by_batch_size:
+            # speculation off for this step (vLLM's disable_by_batch_size): no trees
+            for req_id in ready_ids:
+                self.trees.pop(req_id, None)
+            return out
+        trees = method.propose(ready_ids, ready_last)
+        for req_id, b, tree in zip(ready_ids, ready_b, trees):
+            # the scheduler keeps positions below max_model_len: send what fits; the
+            # stored tree is cut to what was scheduled in the next prepare_step
+            room = max(self.max_model_len - 1 - int(num_tokens_no_spec[b]), 0)
+            tree = tree.truncated(self.num_spec)
+            self.trees[req_id] = tree
+            out[b] = tree.tokens[:room]
         return out

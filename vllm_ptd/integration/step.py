@@ -10,6 +10,7 @@ positions.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -127,13 +128,33 @@ def build_step(req_ids: list[str], batch_indices: list[int], trees: list[FlatTre
                     verify_offsets=verify_offsets)
 
 
-_active: TreeStep | None = None
+class StepChannel:
+    """How one engine step's :class:`TreeStep` reaches the attention backends.
 
+    Owned by the runner's ``TreeProposer`` and handed to every tree attention impl when the
+    model is loaded (``bind_tree_attention``), so no module global carries it. The step is
+    opened by ``prepare_step`` (end of ``_prepare_inputs``), read by the backends during the
+    forward and by ``verify``, and closed by ``verify`` (in ``_sample``); ``guard`` wraps
+    ``execute_model`` and closes it if the step fails, so a stale step never reaches the
+    next forward."""
 
-def set_active_step(step: TreeStep | None) -> None:
-    global _active
-    _active = step
+    def __init__(self) -> None:
+        self._step: TreeStep | None = None
 
+    @property
+    def step(self) -> TreeStep | None:
+        return self._step
 
-def active_step() -> TreeStep | None:
-    return _active
+    def open(self, step: TreeStep | None) -> None:
+        self._step = step
+
+    def close(self) -> None:
+        self._step = None
+
+    @contextlib.contextmanager
+    def guard(self):
+        try:
+            yield
+        except BaseException:
+            self._step = None
+            raise

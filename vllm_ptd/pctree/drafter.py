@@ -52,7 +52,6 @@ __all__ = [
     "DSparkDrafter",
     "MarkovHead",
     "hidden_layer_ids_from_target_layer_ids",
-    "target_layer_ids_from_hidden_layer_ids",
     "tap_hidden_states",
 ]
 
@@ -68,10 +67,6 @@ def hidden_layer_ids_from_target_layer_ids(target_layer_ids: Sequence[int]) -> t
     """DeepSpec ``target_layer_ids`` (-1 = embeddings, i = output of layer i) -> indices into
     HF ``output_hidden_states`` (0 = embeddings, j = input of layer j)."""
     return tuple(int(i) + 1 for i in target_layer_ids)
-
-
-def target_layer_ids_from_hidden_layer_ids(hidden_layer_ids: Sequence[int]) -> list[int]:
-    return [int(j) - 1 for j in hidden_layer_ids]
 
 
 def tap_hidden_states(hidden_states: Sequence[torch.Tensor], hidden_layer_ids: Sequence[int]) -> torch.Tensor:
@@ -579,7 +574,7 @@ class DSparkDrafter(nn.Module):
         """Add target rows ``[t, n*d]`` (or a 3-D ``[n_taps, t, d]`` stack) to a request's
         context. ``positions``: ``[t]`` positions, or the first position (int); default:
         continue at ``ctx.next_position``. Positions must be consecutive."""
-        rows = self._as_rows(hidden_rows)
+        rows = self.as_rows(hidden_rows)
         t = rows.shape[0]
         if t == 0:
             return
@@ -598,7 +593,9 @@ class DSparkDrafter(nn.Module):
         ks, vs = self.context_kv(rows.unsqueeze(0).to(self.device), pos)
         ctx.append([k[0] for k in ks], [v[0] for v in vs], start + t)
 
-    def _as_rows(self, hidden_rows: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    def as_rows(self, hidden_rows: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+        """Context rows ``[t, n*d]`` from ``[t, n*d]``, a ``[n, t, d]`` stack or a list of
+        per-tap ``[t, d]`` tensors."""
         if isinstance(hidden_rows, (list, tuple)):
             hidden_rows = torch.cat(list(hidden_rows), dim=-1)
         if hidden_rows.dim() == 3:  # [n_taps, t, d]
@@ -694,24 +691,6 @@ class DSparkDrafter(nn.Module):
             e = self.markov_head.prev_embeddings(prev).to(hidden.dtype)
             feats = torch.cat([hidden.expand(*e.shape[:-1], hidden.shape[-1]), e], dim=-1)
         return self.confidence_head(feats).float()
-
-    @torch.no_grad()
-    def greedy_chain(self, U: torch.Tensor, h: torch.Tensor, root: torch.Tensor | int,
-                     depth: int | None = None) -> torch.Tensor:
-        """Chain DSpark greedy drafting (DeepSpec's ``sample_block_tokens`` at temperature 0):
-        ``x_k = argmax(U_k + bias(x_{k-1}))`` from ``x_{-1} = root``. ``U`` ``[b, B, V]`` or
-        ``[B, V]``; returns ``[b, depth]`` (or ``[depth]``)."""
-        single = U.dim() == 2
-        if single:
-            U, h = U.unsqueeze(0), h.unsqueeze(0)
-        prev = torch.as_tensor(root, dtype=torch.long, device=U.device).reshape(-1)
-        depth = U.shape[1] if depth is None else depth
-        out = []
-        for d in range(depth):
-            prev = self.step_logits(U[:, d], prev, h[:, d]).argmax(dim=-1)
-            out.append(prev)
-        res = torch.stack(out, dim=1)
-        return res[0] if single else res
 
     # ---- training forward ---------------------------------------------------------------
     def forward_train(self, input_ids: torch.Tensor, context_rows: torch.Tensor,

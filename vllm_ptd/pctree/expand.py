@@ -33,14 +33,9 @@ import torch
 
 from vllm_ptd.tree import FlatTree
 
-__all__ = ["MODES", "ExpansionResult", "expand_trees", "pool_capacity", "rank_nodes"]
+from vllm_ptd.pctree.config import MODES, pool_capacity
 
-MODES = ("pctree", "shared", "chain")
-
-
-def pool_capacity(k: int, depth: int) -> int:
-    """Pool size: the root, k children of the root, then at most k*k per later stage."""
-    return 1 + k + max(0, depth - 1) * k * k if depth > 0 else 1
+__all__ = ["ExpansionResult", "expand_trees", "rank_nodes"]
 
 
 def rank_nodes(scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
@@ -94,8 +89,8 @@ def expand_trees(U: torch.Tensor, roots, *, markov=None, hidden: torch.Tensor | 
     """
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: allowed {list(MODES)}")
-    if mode == "chain":
-        k = 1
+    if mode == "chain" and k != 1:
+        raise ValueError(f"mode 'chain' expands with k=1, got k={k}")
     if k < 1:
         raise ValueError(f"branching k={k} must be >= 1")
     if max_nodes < 1:

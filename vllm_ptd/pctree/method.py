@@ -21,7 +21,7 @@ Per request:
   yet, so the context always ends right before the root, as in DeepSpec.
 * ``propose``: one batched backbone call for all requests (block ``[root, MASK...]`` at the
   root's position), then one batched expansion (``mode``/``k``/``N``/``depth`` from
-  :class:`~vllm_ptd.config.PCTreeConfig`). Unknown requests get an empty tree.
+  :class:`~vllm_ptd.pctree.config.PCTreeConfig`). Unknown requests get an empty tree.
 * State is bounded: a request's context is a sliding window of at most ``max_context`` rows,
   and everything is dropped on ``finish``.
 """
@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from vllm_ptd.config import PCTreeConfig
 from vllm_ptd.method import StepOutcome, TreeMethod
 from vllm_ptd.pctree.checkpoint import check_drafter_fits, load_drafter, target_config_dict
+from vllm_ptd.pctree.config import PCTreeConfig
 from vllm_ptd.pctree.drafter import DraftContext, DSparkDrafter
 from vllm_ptd.pctree.expand import expand_trees
 from vllm_ptd.tree import FlatTree
@@ -88,14 +88,13 @@ def resolve_drafter_path(model: str | None, target_config: Any) -> Path:
 
 
 class _Request:
-    __slots__ = ("ctx", "steps")
+    __slots__ = ("ctx",)
 
     def __init__(self, ctx: DraftContext):
         self.ctx = ctx
-        self.steps = 0
 
 
-class PCTreeMethod(TreeMethod):
+class PCTreeMethod(TreeMethod[_Request]):
     """PCTree (or its chain / Shared-Markov controls) over a DSpark drafter.
 
     ``PCTreeMethod(config, target_config, target_embeddings=None, *, drafter=None,
@@ -118,7 +117,7 @@ class PCTreeMethod(TreeMethod):
                  device: str | torch.device = "cpu", max_context: int | None = 4096):
         if not isinstance(config, PCTreeConfig):
             raise ValueError(f"PCTreeMethod needs a PCTreeConfig, got {type(config).__name__}")
-        self.config = config
+        super().__init__()
         self.target_config = target_config_dict(target_config)
         if drafter is None:
             path = resolve_drafter_path(config.model, target_config)
@@ -127,83 +126,62 @@ class PCTreeMethod(TreeMethod):
         else:
             self.drafter_path = None
         self.drafter = drafter.eval()
-        block = drafter.block_size
-        depth = block if config.depth is None else config.depth
-        if depth > block:
-            raise ValueError(f"speculative_config['depth'] = {depth} exceeds the drafter's block size {block}")
-        self.depth = depth
-        self.k = 1 if config.mode == "chain" else config.branching
-        self.max_nodes = config.max_nodes
-        self.mode = config.mode
+        self.config = config.for_block_size(drafter.block_size)
         self.hidden_layer_ids = tuple(drafter.hidden_layer_ids)
         if max(self.hidden_layer_ids) > int(self.target_config["num_hidden_layers"]) - 1:
             raise ValueError(f"drafter taps hidden states {self.hidden_layer_ids}, beyond the target's "
                              f"{self.target_config['num_hidden_layers']} layers")
         self.max_context = max_context
-        self._reqs: dict[str, _Request] = {}
 
     # ---- TreeMethod -------------------------------------------------------------------
     @property
     def max_tree_nodes(self) -> int:
-        return max(0, min(self.max_nodes - 1, self.k + max(0, self.depth - 1) * self.k * self.k))
-
-    def has(self, req_id: str) -> bool:
-        return req_id in self._reqs
-
-    def num_requests(self) -> int:
-        return len(self._reqs)
+        return self.config.max_tree_nodes
 
     def start(self, req_id: str, prompt_token_ids: list[int], prompt_hidden: torch.Tensor | None = None) -> None:
         if prompt_hidden is None:
             raise ValueError("PCTree needs the prompt's hidden states (needs_hidden=True): pass "
                              f"prompt_hidden tapped at hidden_layer_ids={self.hidden_layer_ids}")
-        rows = self.drafter._as_rows(prompt_hidden)
+        rows = self.drafter.as_rows(prompt_hidden)
         P = len(prompt_token_ids)
         if rows.shape[0] > P:
             raise ValueError(f"prompt_hidden has {rows.shape[0]} rows for a {P}-token prompt")
         ctx = self.drafter.new_context(self.max_context)
         self.drafter.append_context(ctx, rows, P - rows.shape[0])
         ctx.next_position = P
-        self._reqs[req_id] = _Request(ctx)
+        self._requests[req_id] = _Request(ctx)
 
     def observe(self, req_ids: list[str], outcomes: list[StepOutcome]) -> None:
         if len(req_ids) != len(outcomes):
             raise ValueError(f"{len(req_ids)} request ids but {len(outcomes)} outcomes")
         for rid, out in zip(req_ids, outcomes):
-            st = self._reqs.get(rid)
+            st = self._requests.get(rid)
             if st is None:
                 continue
             if out.hidden is None:
                 raise ValueError(f"request {rid!r}: PCTree needs StepOutcome.hidden (rows of "
                                  f"[root, *accepted] at hidden_layer_ids={self.hidden_layer_ids})")
-            rows = self.drafter._as_rows(out.hidden)
+            rows = self.drafter.as_rows(out.hidden)
             want = 1 + len(out.accepted)
             if rows.shape[0] != want:
                 raise ValueError(f"request {rid!r}: StepOutcome.hidden has {rows.shape[0]} rows, "
                                  f"expected {want} (root + {len(out.accepted)} accepted)")
             self.drafter.append_context(st.ctx, rows)
-            st.steps += 1
 
     @torch.no_grad()
     def propose(self, req_ids: list[str], last_tokens: list[int]) -> list[FlatTree]:
         if len(req_ids) != len(last_tokens):
             raise ValueError(f"{len(req_ids)} request ids but {len(last_tokens)} last tokens")
-        live = [i for i, r in enumerate(req_ids) if r in self._reqs]
+        live = [i for i, r in enumerate(req_ids) if r in self._requests]
         out = [FlatTree() for _ in req_ids]
-        if not live or self.max_nodes < 2 or self.depth == 0:
+        c = self.config
+        if not live or c.max_nodes < 2 or c.depth == 0:
             return out
-        ctxs = [self._reqs[req_ids[i]].ctx for i in live]
+        ctxs = [self._requests[req_ids[i]].ctx for i in live]
         roots = [int(last_tokens[i]) for i in live]
         U, h = self.drafter.draft_block(ctxs, roots)
-        trees = expand_trees(U, roots, markov=self.drafter.markov_head, hidden=h, k=self.k,
-                             max_nodes=self.max_nodes, depth=self.depth, mode=self.mode)
+        trees = expand_trees(U, roots, markov=self.drafter.markov_head, hidden=h, k=c.branching,
+                             max_nodes=c.max_nodes, depth=c.depth, mode=c.mode)
         for i, t in zip(live, trees):
             out[i] = t
         return out
-
-    def finish(self, req_id: str) -> None:
-        self._reqs.pop(req_id, None)
-
-    # ---- diagnostics ------------------------------------------------------------------
-    def state_bytes(self) -> int:
-        return sum(r.ctx.nbytes() for r in self._reqs.values())

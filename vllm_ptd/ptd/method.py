@@ -18,9 +18,9 @@ import random
 import zlib
 from typing import Callable, Sequence
 
-from vllm_ptd.config import PTDConfig
 from vllm_ptd.method import StepOutcome, TreeMethod
 from vllm_ptd.ptd.candidate_pool import CandidatePool
+from vllm_ptd.ptd.config import PTDConfig
 from vllm_ptd.ptd.draft_tree import DraftTree
 from vllm_ptd.ptd.seeding import Seeding, make_seeding
 from vllm_ptd.tree import FlatTree
@@ -30,7 +30,7 @@ class PTDRequest:
     """One request's PTD state."""
 
     __slots__ = ("req_id", "draft", "pool", "rng", "history", "prompt_len", "last",
-                 "expected_last", "proposed_verify", "steps")
+                 "expected_last", "steps")
 
     def __init__(self, req_id: str, draft: DraftTree, pool: CandidatePool,
                  rng: random.Random, prompt: list[int]) -> None:
@@ -42,7 +42,6 @@ class PTDRequest:
         self.prompt_len = len(prompt)
         self.last: int | None = None           # root token of the last proposal
         self.expected_last: int | None = None  # last committed token seen by observe
-        self.proposed_verify = 0
         self.steps = 0
 
 
@@ -54,7 +53,7 @@ def request_seed(seed: int, prompt: list[int]) -> int:
     return zlib.crc32(data, seed & 0xFFFFFFFF) ^ (seed * 0x9E3779B1 & 0xFFFFFFFF)
 
 
-class PTDMethod(TreeMethod):
+class PTDMethod(TreeMethod[PTDRequest]):
     def __init__(self, config: PTDConfig, eos_token_ids: Sequence[int],
                  decode_token: Callable[[int], str] | None = None) -> None:
         if config.max_verify_nodes is None or config.max_draft_nodes is None \
@@ -63,13 +62,13 @@ class PTDMethod(TreeMethod):
         if config.seeding == "entity" and decode_token is None:
             raise ValueError("speculative_config['seeding'] = 'entity' needs the tokenizer: "
                              "pass decode_token")
+        super().__init__()
         self.config = config
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.seeding: Seeding = make_seeding(config.seeding, decode_token)
         # n-grams of depth+1 tokens: chains as deep as a draft subtree may get
         self.ngram = config.depth + 1
         self.causal = config.draft_attention == "causal"
-        self._reqs: dict[str, PTDRequest] = {}
 
     @property
     def max_tree_nodes(self) -> int:
@@ -85,19 +84,10 @@ class PTDMethod(TreeMethod):
         if c.pool_from_prompt:
             pool.insert_ngrams(prompt, self.ngram)
         self._refill(st)
-        self._reqs[req_id] = st
-
-    def finish(self, req_id: str) -> None:
-        self._reqs.pop(req_id, None)
-
-    def has(self, req_id: str) -> bool:
-        return req_id in self._reqs
-
-    def num_requests(self) -> int:
-        return len(self._reqs)
+        self._requests[req_id] = st
 
     def state(self, req_id: str) -> PTDRequest:
-        return self._reqs[req_id]
+        return self._requests[req_id]
 
     # ------------------------------------------------------------------ helpers
     def _refill(self, st: PTDRequest) -> None:
@@ -126,7 +116,7 @@ class PTDMethod(TreeMethod):
         out = []
         nv_max = self.config.max_verify_nodes
         for req_id, last in zip(req_ids, last_tokens):
-            st = self._reqs[req_id]
+            st = self._requests[req_id]
             last = int(last)
             if st.expected_last is None or st.expected_last != last:
                 # the first decode step's root is the token sampled by the prefill; later a
@@ -136,13 +126,12 @@ class PTDMethod(TreeMethod):
             cand = st.pool.retrieve_lists(last, nv_max)
             tree = st.draft.to_flat(cand, causal=self.causal)
             st.last = last
-            st.proposed_verify = len(cand[0])
             out.append(tree)
         return out
 
     def observe(self, req_ids: list[str], outcomes: list[StepOutcome]) -> None:
         for req_id, oc in zip(req_ids, outcomes):
-            st = self._reqs.get(req_id)
+            st = self._requests.get(req_id)
             if st is None:
                 continue
             st.steps += 1

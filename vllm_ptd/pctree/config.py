@@ -1,0 +1,82 @@
+"""PCTree's keys in ``speculative_config`` and the rules that follow from them, each defined
+once: the modes, chain = branching 1, and the bound on a tree's node count."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from vllm_ptd.config import check_choice, check_int
+
+MODES = ("pctree", "shared", "chain")
+DEFAULT_BRANCHING = 4
+
+
+def pool_capacity(k: int, depth: int) -> int:
+    """Nodes an expansion can create, root included: the root, k children of the root, then
+    at most k*k per later stage (k parents with k children each)."""
+    return 1 + k + max(0, depth - 1) * k * k if depth > 0 else 1
+
+
+def tree_node_bound(k: int, depth: int, max_nodes: int) -> int:
+    """Most nodes (root excluded) a tree can have: ``max_nodes`` counts the root, and the
+    expansion cannot make more than its pool holds."""
+    return max(0, min(max_nodes, pool_capacity(k, depth)) - 1)
+
+
+@dataclass
+class PCTreeConfig:
+    """PCTree over a DSpark drafter. ``mode``: "pctree" (parent-conditioned), "shared"
+    (Shared-Markov control) or "chain" (plain DSpark: branching 1).
+
+    ``branching`` and ``depth`` default to None: ``resolved`` sets them (4, or 1 in chain
+    mode; the drafter's block size)."""
+
+    model: str | None = None     # drafter checkpoint folder; None: the packaged drafter
+    branching: int | None = None  # k: frontier size and children per parent
+    max_nodes: int = 16          # N: verified nodes including the root
+    depth: int | None = None     # B: stages
+    mode: str = "pctree"
+
+    def __post_init__(self) -> None:
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative_config['model'] must be a path, got {self.model!r}")
+        if self.branching is not None:
+            check_int("branching", self.branching, 1, 64)
+        check_int("max_nodes", self.max_nodes, 2, 512)
+        if self.depth is not None:
+            check_int("depth", self.depth, 1, 64)
+        check_choice("mode", self.mode, MODES)
+        if self.mode == "chain" and self.branching not in (None, 1):
+            raise ValueError(f"speculative_config['mode'] = 'chain' is plain DSpark with "
+                             f"branching 1, but speculative_config['branching'] = "
+                             f"{self.branching}; drop one of them")
+
+    @property
+    def is_resolved(self) -> bool:
+        return self.branching is not None and self.depth is not None
+
+    def for_block_size(self, block_size: int) -> "PCTreeConfig":
+        """A copy with branching and depth filled in for a drafter of this block size."""
+        depth = block_size if self.depth is None else self.depth
+        if depth > block_size:
+            raise ValueError(f"speculative_config['depth'] = {depth} exceeds the drafter's "
+                             f"block size {block_size}")
+        k = self.branching if self.branching is not None else (
+            1 if self.mode == "chain" else DEFAULT_BRANCHING)
+        return replace(self, branching=k, depth=depth)
+
+    def resolved(self, device: str, target_config: Any) -> "PCTreeConfig":
+        """A copy with the drafter found (``model`` becomes its folder) and branching and
+        depth filled in from it."""
+        from vllm_ptd.pctree.checkpoint import read_drafter_config
+        from vllm_ptd.pctree.method import resolve_drafter_path
+
+        path = resolve_drafter_path(self.model, target_config)
+        block = read_drafter_config(path).block_size
+        return replace(self.for_block_size(block), model=str(path))
+
+    @property
+    def max_tree_nodes(self) -> int:
+        if not self.is_resolved:
+            raise ValueError("resolve branching and depth first (PCTreeConfig.resolved)")
+        return tree_node_bound(self.branching, self.depth, self.max_nodes)
