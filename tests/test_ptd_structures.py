@@ -493,3 +493,70 @@ def test_causal_emission_puts_first_child_after_parent():
     tokens, parents = t.emit()
     assert tokens == [1, 2, 3, 4, 9, 4, 5, 6, 5]
     assert parents == [-1, 0, 1, 2, 0, -1, 5, 6, -1]  # preorder: main-line child right after
+
+
+# ---------------------------------------------------------------------------- suffix matching
+def test_suffix_index_finds_the_longest_earlier_match():
+    from vllm_ptd.ptd.suffix_index import SuffixIndex
+
+    idx = SuffixIndex(max_match=4, min_match=2)
+    idx.extend([1, 2, 3, 4, 9, 2, 3, 5, 7, 1, 2, 3])
+    m = idx.continuations(depth=3)
+    # the suffix [1, 2, 3] occurred at the start, followed by 4 9 2; [2, 3] also before 5
+    assert m.length == 3 and m.root.count == 1
+    assert list(m.root.children) == [4]
+    assert [c.token for c in m.root.children[4].children.values()] == [9]
+    idx.extend([8])  # suffix ...3 8: no earlier [3, 8] -> no match of length >= 2
+    assert idx.continuations(depth=3) is None
+    short = SuffixIndex(max_match=4, min_match=2)
+    short.extend([5, 6, 0, 5, 6, 1, 5, 6])
+    m = short.continuations(depth=2)
+    # [6, 5, 6]? no; [5, 6] twice before, followed by 0 and 1: a branch with counts
+    assert m.length == 2 and m.root.count == 2
+    assert {t: c.count for t, c in m.root.children.items()} == {0: 1, 1: 1}
+
+
+def test_suffix_index_caps_occurrences():
+    from vllm_ptd.ptd.suffix_index import SuffixIndex
+
+    idx = SuffixIndex(max_match=2, min_match=1, max_occurrences=3)
+    idx.extend([7, 1] * 10 + [7])
+    m = idx.continuations(depth=1)
+    assert m.length == 2 and m.root.count == 3  # only the 3 most recent occurrences
+    assert max(len(v) for v in idx._after.values()) == 4  # the suffix itself + 3
+
+
+def test_candidates_merge_suffix_and_pool_with_scores_and_groups():
+    from vllm_ptd.ptd.candidate_pool import CandidatePool
+    from vllm_ptd.ptd.candidates import POOL_GROUP, build_candidates
+    from vllm_ptd.ptd.suffix_index import SuffixIndex
+
+    pool = CandidatePool(60, 1000)
+    pool.insert_path(3, [4, 5])       # text evidence: 3 -> 4 -> 5
+    pool.insert_path(3, [8])
+    idx = SuffixIndex(max_match=4, min_match=2)
+    idx.extend([2, 3, 4, 6, 2, 3])    # suffix [2, 3] seen before, followed by 4 6
+    cand = build_candidates(pool, 3, idx.continuations(depth=3), budget=8)
+    tree = FlatTree(cand.tokens, cand.parents)
+    paths = {tuple(tree.tokens[j] for j in tree.path_to(i)): (cand.scores[i], cand.groups[i])
+             for i in range(tree.num_nodes)}
+    assert paths[(4,)] == (1.0, 2)          # the suffix match's continuation, group = length
+    assert paths[(4, 6)] == (1.0, 2)
+    assert paths[(8,)][1] == POOL_GROUP     # only in the pool
+    assert paths[(4, 5)][1] == POOL_GROUP   # under a suffix node, but only the pool has it
+    assert cand.tokens[0] == 4              # the suffix path ranks first
+    assert not any(cand.draft_only)
+    assert build_candidates(pool, 3, None, budget=0).tokens == []
+
+
+def test_select_reindexes_verify_and_draft_nodes():
+    t = FlatTree([1, 2, 3, 4, 7, 8], [-1, 0, -1, 2, -1, 4], num_verify=4, causal_from=4,
+                 scores=[0.9, 0.8, 0.5, 0.4], groups=[2, 2, 0, 0], draft_value=0.1)
+    s = t.select([0, 2, 3], num_draft=1)
+    assert s.tokens == [1, 3, 4, 7] and s.parents == [-1, -1, 1, -1]
+    assert (s.num_verify, s.causal_from) == (3, 3)
+    assert s.scores == [0.9, 0.5, 0.4] and s.groups == [2, 0, 0] and s.draft_value == 0.1
+    s = t.select([], num_draft=2)
+    assert s.tokens == [7, 8] and s.parents == [-1, 0] and s.num_verify == 0
+    with pytest.raises(ValueError, match="without its parent"):
+        t.select([1], 0)

@@ -22,6 +22,10 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 MODEL_ARGS = dict(dtype="float32", enforce_eager=True, seed=0)
+# The main engine's PTD runs its trees as made (no cost model, whose timing-driven sizes could
+# not be replayed by the reference engine); the small engine and the compiled tests run the
+# default, budget "auto".
+FIXED_PTD = {"method": "ptd", "budget": "fixed", "max_verify_nodes": 6, "max_draft_nodes": 2}
 # mixed prompt sets, 4 each, chat template applied
 SETS = ("mt_bench", "gsm8k", "humaneval", "mbpp")
 SAMPLING_PROMPTS = 3
@@ -115,7 +119,7 @@ def test_invalid_config_names_the_key(engine_env, model_path, spec, key):
 def ptd_llm(engine_env, plain, model_path):
     from vllm import LLM
 
-    llm = LLM(model_path, max_model_len=1024, speculative_config={"method": "ptd"},
+    llm = LLM(model_path, max_model_len=1024, speculative_config=FIXED_PTD,
               disable_log_stats=False, **MODEL_ARGS)
     yield llm
     _shutdown(llm)
@@ -200,7 +204,8 @@ class TestPTD:
 
         ref = ReferenceEngine(str(proposer.model_config.model), dtype=torch.float32)
         for ids, tokens, trace in runs:
-            method = RecordingPTD(PTDConfig().resolved("cpu"), eos)
+            method = RecordingPTD(PTDConfig(**{k: v for k, v in FIXED_PTD.items()
+                                               if k != "method"}).resolved("cpu"), eos)
             method.sizes = []
             # PTD seeds a request's random choices from config.seed and the prompt; the id is
             # passed anyway, so the comparison would also hold for an id-seeded method

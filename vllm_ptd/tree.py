@@ -28,6 +28,13 @@ class FlatTree:
     parents: list[int] = field(default_factory=list)
     num_verify: int = -1  # -1: every node is verified
     causal_from: int = -1  # -1: no causal tail, every node uses the tree mask
+    # Optional, for the verify nodes: the method's own estimate that node i is accepted
+    # given that its parent is (``scores``), and a method-defined category of the node
+    # (``groups``) under which the budget calibrates that estimate against outcomes.
+    scores: list[float] | None = None
+    groups: list[int] | None = None
+    # Optional: the expected accepted tokens one draft row brings (later, through drafting)
+    draft_value: float | None = None
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -42,6 +49,10 @@ class FlatTree:
         for i, p in enumerate(self.parents):
             if not -1 <= p < i:
                 raise ValueError(f"node {i} has parent {p}: parents must come before children")
+        for name in ("scores", "groups"):
+            v = getattr(self, name)
+            if v is not None and len(v) != self.num_verify:
+                raise ValueError(f"{name} has {len(v)} entries for {self.num_verify} verify nodes")
 
     @property
     def num_nodes(self) -> int:
@@ -57,8 +68,50 @@ class FlatTree:
     def truncated(self, n: int) -> "FlatTree":
         """The first n nodes (still a valid tree, parents come first)."""
         n = max(0, min(n, self.num_nodes))
-        return FlatTree(list(self.tokens[:n]), list(self.parents[:n]),
-                        min(self.num_verify, n), min(self.causal_from, n))
+        nv = min(self.num_verify, n)
+        return FlatTree(list(self.tokens[:n]), list(self.parents[:n]), nv,
+                        min(self.causal_from, n),
+                        None if self.scores is None else self.scores[:nv],
+                        None if self.groups is None else self.groups[:nv], self.draft_value)
+
+    def select(self, verify: list[int], num_draft: int) -> "FlatTree":
+        """The verify nodes ``verify`` (ascending indices, each one's parent included) and the
+        first ``num_draft`` draft nodes, re-indexed; the causal tail keeps its place."""
+        nv = self.num_verify
+        new_index = {old: new for new, old in enumerate(verify)}
+        tokens = [self.tokens[i] for i in verify]
+        parents = []
+        for i in verify:
+            p = self.parents[i]
+            if p >= 0 and p not in new_index:
+                raise ValueError(f"node {i} is selected without its parent {p}")
+            parents.append(-1 if p < 0 else new_index[p])
+        num_draft = max(0, min(num_draft, self.num_nodes - nv))
+        k = len(verify)
+        for j in range(nv, nv + num_draft):
+            p = self.parents[j]
+            if p >= nv:
+                parents.append(p - nv + k)
+            elif p < 0:
+                parents.append(-1)
+            else:  # a draft node under a verify node (not made by PTD; kept if its parent is)
+                if p not in new_index:
+                    num_draft = j - nv
+                    break
+                parents.append(new_index[p])
+            tokens.append(self.tokens[j])
+        tokens = tokens[: k + num_draft]
+        parents = parents[: k + num_draft]
+        if self.causal_from >= self.num_nodes:
+            causal = -1
+        elif self.causal_from == nv:
+            causal = k
+        else:
+            raise ValueError("select keeps a causal tail only where it starts at the draft nodes")
+        return FlatTree(tokens, parents, k, causal,
+                        None if self.scores is None else [self.scores[i] for i in verify],
+                        None if self.groups is None else [self.groups[i] for i in verify],
+                        self.draft_value)
 
     def verify_part(self) -> "FlatTree":
         return self.truncated(self.num_verify)

@@ -90,6 +90,8 @@ class GPUModelRunnerPatch(Patch):
 
     def _sample(self, logits, spec_decode_metadata):
         proposer = _tree_proposer(self)
+        if proposer is not None:
+            proposer.forward_done()
         if proposer is None or spec_decode_metadata is None or proposer.channel.step is None:
             return GPUModelRunnerPatch.original("_sample")(self, logits, spec_decode_metadata)
         try:

@@ -15,13 +15,18 @@ one engine step:
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import platform
+import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from vllm_ptd.budget import StepCostModel, TreeBudget
 from vllm_ptd.integration.kv_stash import bind_tree_attention
 from vllm_ptd.integration.step import StepChannel, TreeStep, build_step
 from vllm_ptd.method import BuildContext, StepOutcome, TreeMethod
@@ -34,6 +39,36 @@ logger = logging.getLogger("vllm_ptd")
 
 GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 LOG_EVERY_STEPS = 500
+SAVE_COST_EVERY_STEPS = 256
+IDLE_GAP_MS = 1000.0  # a longer gap between steps is the engine waiting, not step overhead
+# cost of one more row relative to a one-row step, before anything is measured
+PRIOR_ROW_SLOPE = {"cpu": 0.15, "cuda": 0.01}
+
+
+def cost_cache_path(vllm_config, device_type: str) -> Path | None:
+    """Where this machine's measured step costs for this model and engine set-up are kept
+    (``$VLLM_PTD_CACHE/cost/<key>.json``, default ``~/.cache/vllm_ptd``); None when
+    ``VLLM_PTD_COST_CACHE=0``."""
+    if os.environ.get("VLLM_PTD_COST_CACHE", "1") == "0":
+        return None
+    import torch
+
+    if device_type == "cuda":
+        machine = torch.cuda.get_device_name()
+    else:
+        machine = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as f:
+                machine = next((ln.split(":", 1)[1].strip() for ln in f
+                                if ln.startswith("model name")), machine)
+        except OSError:
+            pass
+    mc = vllm_config.model_config
+    key = json.dumps([machine, os.cpu_count(), torch.get_num_threads(), str(mc.model),
+                      str(mc.dtype), str(vllm_config.compilation_config.mode),
+                      vllm_config.parallel_config.tensor_parallel_size])
+    root = Path(os.environ.get("VLLM_PTD_CACHE", Path.home() / ".cache" / "vllm_ptd"))
+    return root / "cost" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
 
 
 def _eos_ids(model_config) -> list[int]:
@@ -107,6 +142,7 @@ class TreeProposer:
         self.kind: str = self.spec.name
         self.options = self.spec.config_cls(**entry["options"])
         self.disable_by_batch_size: int | None = entry.get("disable_by_batch_size")
+        self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
         self.max_model_len = vllm_config.model_config.max_model_len
         self.num_spec = vllm_config.speculative_config.num_speculative_tokens
@@ -118,6 +154,10 @@ class TreeProposer:
         self.prompt_hidden: dict[str, list[torch.Tensor]] = {}
         self.metrics = SpecMetrics()
         self._steps = 0
+        self.budget: TreeBudget | None = None  # made in bind (needs the device)
+        self._forward_start: float | None = None  # this step's forward began (perf_counter)
+        self._last_step: tuple[float, float] | None = None  # (start, forward ms) of the last
+        self._step_rows = 0
         trace = os.environ.get("VLLM_PTD_TRACE")
         self.trace = open(trace, "a", buffering=1) if trace else None
 
@@ -132,6 +172,10 @@ class TreeProposer:
 
     def bind(self, runner) -> None:
         self.runner = runner
+        if getattr(self.options, "budget", "fixed") == "auto":
+            kind = "cuda" if runner.device.type == "cuda" else "cpu"
+            self.budget = TreeBudget(StepCostModel(
+                PRIOR_ROW_SLOPE[kind], cost_cache_path(self.vllm_config, kind)))
 
     def load_model(self, target_model) -> None:
         """vLLM's CPU runner calls this after loading the target (GPU: the runner patch)."""
@@ -156,6 +200,8 @@ class TreeProposer:
             self.prompt_hidden.pop(req_id, None)
             if self.method is not None:
                 self.method.finish(req_id)
+            if self.budget is not None:
+                self.budget.forget(req_id)
 
     def num_tracked(self) -> int:
         return len(self.trees) + len(self.outcomes) + len(self.prompt_hidden) + (
@@ -164,6 +210,7 @@ class TreeProposer:
     # ---- 1. before the forward --------------------------------------------------------
     def prepare_step(self, scheduler_output, num_scheduled_tokens: np.ndarray) -> None:
         self.channel.close()
+        self._time_step(int(scheduler_output.total_num_scheduled_tokens))
         spec = scheduler_output.scheduled_spec_decode_tokens
         if not spec:
             return
@@ -192,6 +239,29 @@ class TreeProposer:
         step = build_step(req_ids, batch_idx, trees, starts, ctx, self.runner.positions)
         step.proposed_nodes = proposed
         self.channel.open(step)
+
+    def _time_step(self, rows: int) -> None:
+        """The cost model's samples: a step's forward runs from the end of
+        ``_prepare_inputs`` to ``_sample``; the rest of the time between two steps' starts
+        is per-step overhead (scheduling, sampling, drafting, bookkeeping)."""
+        now = time.perf_counter()
+        if self._last_step is not None and self.budget is not None:
+            start, forward_ms = self._last_step
+            overhead = 1000 * (now - start) - forward_ms
+            self.budget.cost.observe(self._step_rows, forward_ms,
+                                     overhead if overhead < IDLE_GAP_MS else None)
+            if self.budget.cost.samples % SAVE_COST_EVERY_STEPS == 0:
+                self.budget.cost.save()
+        self._last_step = None
+        self._forward_start = now
+        self._step_rows = rows
+
+    def forward_done(self) -> None:
+        """Called when the step's logits exist (start of sampling)."""
+        if self._forward_start is not None:
+            self._last_step = (self._forward_start,
+                               1000 * (time.perf_counter() - self._forward_start))
+            self._forward_start = None
 
     # ---- 2. instead of the rejection sampler ------------------------------------------
     def verify(self, logits: torch.Tensor, spec_meta, orig_sample) -> "SamplerOutput":  # noqa: F821
@@ -271,6 +341,8 @@ class TreeProposer:
             pos += n + 1
             self.metrics.record(committed=len(committed), accepted=len(accepted),
                                 verify_rows=tree.num_verify, draft_rows=n - tree.num_verify)
+            if self.budget is not None:
+                self.budget.observe(req_id, tree, accepted)
             if self.trace is not None:
                 self.trace.write(json.dumps({
                     "req": req_id, "nodes": n, "proposed": step.proposed_nodes[i],
@@ -328,12 +400,20 @@ class TreeProposer:
             method.observe(observe_ids, observe_outcomes)
         if not ready_ids:
             return out
-        if self.disable_by_batch_size is not None and ib.num_reqs >= self.disable_by_batch_size:
-            # speculation off for this step (vLLM's disable_by_batch_size): no trees
+        disabled = (self.disable_by_batch_size is not None
+                    and ib.num_reqs >= self.disable_by_batch_size)
+        if disabled or (self.budget is not None and not self.budget.should_draft()):
+            # no trees this step: speculation is off at this batch size (vLLM's
+            # disable_by_batch_size), or drafting has not paid lately
             for req_id in ready_ids:
                 self.trees.pop(req_id, None)
             return out
+        t0 = time.perf_counter()
         trees = method.propose(ready_ids, ready_last)
+        if self.budget is not None:
+            drafting_ms = 1000 * (time.perf_counter() - t0)
+            trees = self.budget.size(ready_ids, trees, base_rows=ib.num_reqs,
+                                     num_requests=ib.num_reqs, drafting_ms=drafting_ms)
         for req_id, b, tree in zip(ready_ids, ready_b, trees):
             # the scheduler keeps positions below max_model_len: send what fits; the
             # stored tree is cut to what was scheduled in the next prepare_step

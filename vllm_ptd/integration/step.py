@@ -23,8 +23,9 @@ from vllm_ptd.tree import FlatTree, TreeBatch
 @dataclass
 class TreeRows:
     """CPU attention work: per tree request, the rows that need the tree mask instead of
-    causal attention (nodes below ``causal_from``) and their mask over the request's keys
-    (keys 0..c are the committed prefix and the root; key c+1+j is node j)."""
+    causal attention (from the first branch, ``chain_prefix``, to ``causal_from``) and their
+    mask over the request's keys (keys 0..c are the committed prefix and the root; key
+    c+1+j is node j)."""
 
     batch_indices: list[int]
     req_rows: list[tuple[int, int, int]]  # (first tree row, rows, seq_len)
@@ -90,19 +91,29 @@ class TreeStep:
         return self._rows
 
 
+def chain_prefix(tree: FlatTree) -> int:
+    """How many leading nodes form a chain under the root (node i's parent is node i - 1):
+    their ancestor mask is the causal mask, so causal attention computes them exactly."""
+    for i, p in enumerate(tree.parents):
+        if p != i - 1:
+            return i
+    return tree.num_nodes
+
+
 def _tree_rows(step: TreeStep) -> TreeRows:
     idx, req_rows, masks = [], [], []
     for i, tree in enumerate(step.trees):
-        m = tree.causal_from  # nodes from causal_from on are exact causal rows already
-        if m == 0:
+        # rows before the first branch and from causal_from on are exact causal rows already
+        lo, hi = chain_prefix(tree), tree.causal_from
+        if lo >= hi:
             continue
         n, c = tree.num_nodes, int(step.context[i])
         seq_len = c + 1 + n
-        mask = torch.zeros(m, seq_len, dtype=torch.bool)
+        mask = torch.zeros(hi - lo, seq_len, dtype=torch.bool)
         mask[:, : c + 1] = True
-        mask[:, c + 1:] = step.mask.request(i)[1: m + 1, 1:]
+        mask[:, c + 1:] = step.mask.request(i)[1 + lo: hi + 1, 1:]
         idx.append(step.batch_indices[i])
-        req_rows.append((int(step.row_start[i]) + 1, m, seq_len))
+        req_rows.append((int(step.row_start[i]) + 1 + lo, hi - lo, seq_len))
         masks.append(mask)
     return TreeRows(idx, req_rows, masks)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from vllm_ptd.config import check_choice, check_int
+from vllm_ptd.config import BUDGET_MODES, check_choice, check_int
 
 MODES = ("pctree", "shared", "chain")
 DEFAULT_BRANCHING = 4
@@ -36,6 +36,7 @@ class PCTreeConfig:
     max_nodes: int = 16          # N: verified nodes including the root
     depth: int | None = None     # B: stages
     mode: str = "pctree"
+    budget: str = "auto"         # "auto": each step's tree sized by the cost model
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -46,6 +47,7 @@ class PCTreeConfig:
         if self.depth is not None:
             check_int("depth", self.depth, 1, 64)
         check_choice("mode", self.mode, MODES)
+        check_choice("budget", self.budget, BUDGET_MODES)
         if self.mode == "chain" and self.branching not in (None, 1):
             raise ValueError(f"speculative_config['mode'] = 'chain' is plain DSpark with "
                              f"branching 1, but speculative_config['branching'] = "

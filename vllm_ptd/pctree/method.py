@@ -27,6 +27,7 @@ Per request:
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -180,8 +181,13 @@ class PCTreeMethod(TreeMethod[_Request]):
         ctxs = [self._requests[req_ids[i]].ctx for i in live]
         roots = [int(last_tokens[i]) for i in live]
         U, h = self.drafter.draft_block(ctxs, roots)
-        trees = expand_trees(U, roots, markov=self.drafter.markov_head, hidden=h, k=c.branching,
-                             max_nodes=c.max_nodes, depth=c.depth, mode=c.mode)
-        for i, t in zip(live, trees):
+        res = expand_trees(U, roots, markov=self.drafter.markov_head, hidden=h, k=c.branching,
+                           max_nodes=c.max_nodes, depth=c.depth, mode=c.mode, return_scores=True)
+        for i, t, joint in zip(live, res.trees, res.scores):
+            # the drafter's P(node | parent): its joint log-score minus its parent's; calibrated
+            # per depth by the budget
+            t.scores = [math.exp(min(0.0, s - (joint[p] if p >= 0 else 0.0)))
+                        for s, p in zip(joint, t.parents)]
+            t.groups = t.depths()
             out[i] = t
         return out

@@ -36,6 +36,10 @@ from vllm_ptd.tree import FlatTree
 
 _SHIFT = 32  # edge key = parent id << 32 | token (token ids are < 2^32)
 _NONE = -1
+# where a node's evidence came from (bits of ``_src``): a merged draft subtree, or the text
+# (n-grams of prompt and output, the target's own argmax at verified nodes)
+FROM_DRAFT = 1
+FROM_TEXT = 2
 
 
 class TreeLike(Protocol):
@@ -62,6 +66,7 @@ class CandidatePool:
         self._first = array("q")  # first child, -1 none
         self._tail = array("q")   # last child (appending keeps siblings in insertion order)
         self._next = array("q")   # next sibling, -1 none
+        self._src = array("b")    # FROM_DRAFT | FROM_TEXT bits
         self._free: list[int] = []
         self._edges: dict[int, int] = {}
         self._keys: dict[int, int] = {}      # key token -> root id; order = least recent first
@@ -77,6 +82,7 @@ class CandidatePool:
             self._cnt[n] = 0
             self._last[n] = self.clock
             self._first[n] = self._tail[n] = self._next[n] = _NONE
+            self._src[n] = 0
             return n
         n = len(self._tok)
         self._tok.append(token)
@@ -85,6 +91,7 @@ class CandidatePool:
         self._first.append(_NONE)
         self._tail.append(_NONE)
         self._next.append(_NONE)
+        self._src.append(0)
         return n
 
     def _link(self, parent: int, token: int) -> int:
@@ -217,7 +224,7 @@ class CandidatePool:
         del self._key_size[key]
 
     def _child(self, key: int, root: int, parent: int, token: int, branch: int,
-               bump: bool) -> int:
+               bump: bool, src: int = FROM_TEXT) -> int:
         """Child ``token`` of ``parent`` in ``key``, created if missing and the caps allow
         (-1 if refused). ``branch``: the first-level token this node lives under (never
         evicted here)."""
@@ -236,6 +243,7 @@ class CandidatePool:
         if bump:
             self._cnt[node] += 1
             self._last[node] = self.clock
+            self._src[node] |= src
         return node
 
     def _drop_if_empty(self, key: int, root: int) -> None:
@@ -252,12 +260,12 @@ class CandidatePool:
         if not kids:
             return
         root = self._touch_key(key)
-        edges, cnt, last, clock = self._edges, self._cnt, self._last, self.clock
+        edges, cnt, last, clock, srcs = self._edges, self._cnt, self._last, self.clock, self._src
         for first in kids:
             # one first-level branch at a time: making room only ever evicts branches this
             # merge is not standing in
             branch = int(first.token)
-            node = self._child(key, root, root, branch, branch, True)
+            node = self._child(key, root, root, branch, branch, True, FROM_DRAFT)
             if node == _NONE:
                 continue
             stack = [(node, c) for c in first.children]
@@ -266,12 +274,13 @@ class CandidatePool:
                 tok = src.token
                 got = edges.get((dst << _SHIFT) | tok, _NONE)
                 if got == _NONE:  # slow path: a new node, caps apply
-                    got = self._child(key, root, dst, int(tok), branch, True)
+                    got = self._child(key, root, dst, int(tok), branch, True, FROM_DRAFT)
                     if got == _NONE:
                         continue
                 else:  # the common case, inlined: re-merging a known continuation
                     cnt[got] += 1
                     last[got] = clock
+                    srcs[got] |= FROM_DRAFT
                 for c in src.children:
                     stack.append((got, c))
         self._drop_if_empty(key, root)
@@ -284,7 +293,7 @@ class CandidatePool:
         branch = int(tokens[0])
         node = self._child(key, root, root, branch, branch, True)
         if node != _NONE:
-            edges, cnt, last, clock = self._edges, self._cnt, self._last, self.clock
+            edges, cnt, last, clock, srcs = self._edges, self._cnt, self._last, self.clock, self._src
             for t in tokens[1:]:
                 nxt = edges.get((node << _SHIFT) | t, _NONE)
                 if nxt == _NONE:  # slow path: a new node, caps apply
@@ -294,6 +303,7 @@ class CandidatePool:
                 else:
                     cnt[nxt] += 1
                     last[nxt] = clock
+                    srcs[nxt] |= FROM_TEXT
                 node = nxt
         self._drop_if_empty(key, root)
 
@@ -345,6 +355,29 @@ class CandidatePool:
         self._drop_if_empty(key, root)
 
     # ------------------------------------------------------------------ reading
+    def root(self, key: int) -> int:
+        """The node id of ``key``'s trie root, or -1."""
+        return self._keys.get(key, _NONE)
+
+    def children_shares(self, node: int) -> list[tuple[int, int, float, int]]:
+        """(token, child id, share, source bits) of a node's children, in sibling order. The
+        share is the retrieval estimate of the child given the node: its visit count's share
+        of its siblings' (+1 smoothing)."""
+        kids, total = [], 0
+        c = self._first[node]
+        while c != _NONE:
+            kids.append(c)
+            total += self._cnt[c]
+            c = self._next[c]
+        denom = total + len(kids)
+        return [(self._tok[c], c, (self._cnt[c] + 1) / denom, self._src[c]) for c in kids]
+
+    def nbytes(self) -> int:
+        """About how much memory the pool holds: its arrays plus the edge and key dicts."""
+        arrays = sum(a.itemsize * len(a) for a in (self._tok, self._cnt, self._last, self._first,
+                                                    self._tail, self._next, self._src))
+        return arrays + 100 * (len(self._edges) + len(self._keys)) + 8 * len(self._free)
+
     def retrieve(self, last_token: int, budget: int) -> FlatTree:
         """The candidate tree for ``last_token``: its trie's ``budget`` most probable nodes
         (see the module docstring), parents first, prefix-closed. All nodes are verify nodes."""

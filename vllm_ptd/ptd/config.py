@@ -4,14 +4,16 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from vllm_ptd.config import check_bool, check_choice, check_int
+from vllm_ptd.config import BUDGET_MODES, check_bool, check_choice, check_int
 
-# Per-device node budgets, chosen for tokens per second, not tokens per step. On the
-# project's 2-core AVX2 CPU (fp32, eager) a forward over 8 rows costs 1.7x one row, 16 rows
-# 2.1x, 64 rows 4.3x; there, at batch 1, PTD with 12+12 nodes ran at 0.88x plain decoding,
-# 6+4 at 1.03x and 4+2 at 1.10x (README, Results). A GPU forward barely costs more with rows.
-DEVICE_BUDGETS = {"cpu": dict(max_verify_nodes=4, max_draft_nodes=2),
+# Per-device node caps. With ``budget: "auto"`` (the default) they are upper bounds: every
+# step the engine's cost model (vllm_ptd.budget) sizes each request's tree below them, down to
+# no tree at all, from the cost of a row measured where it runs. With ``budget: "fixed"`` the
+# trees use them as they are; on the project's 2-core AVX2 CPU (fp32, eager) 4 + 2 nodes were
+# the fastest fixed budget measured at batch 1 (README, Results).
+DEVICE_BUDGETS = {"cpu": dict(max_verify_nodes=12, max_draft_nodes=4),
                   "cuda": dict(max_verify_nodes=24, max_draft_nodes=32)}
+MATCH_MODES = ("suffix", "token")
 
 
 @dataclass
@@ -30,6 +32,13 @@ class PTDConfig:
     pool_from_output: bool = True       # put committed tokens' n-grams in the pool
     draft_attention: str | None = None  # "tree" (ancestors only) or "causal"; None: device
     seed: int = 0
+    # candidates: "suffix" merges the continuations of the longest earlier match of the
+    # text's suffix (max_match down to min_match tokens) into pool[last token]; "token" is
+    # the paper's retrieval by the last token alone
+    match: str = "suffix"
+    max_match: int = 8
+    min_match: int = 2
+    budget: str = "auto"                # "auto": sized by the cost model; "fixed": the caps
 
     def __post_init__(self) -> None:
         check_int("width", self.width, 1, 16)
@@ -47,6 +56,13 @@ class PTDConfig:
         if self.draft_attention is not None:
             check_choice("draft_attention", self.draft_attention, ("tree", "causal"))
         check_int("seed", self.seed, 0, 2**31 - 1)
+        check_choice("match", self.match, MATCH_MODES)
+        check_int("max_match", self.max_match, 1, 32)
+        check_int("min_match", self.min_match, 1, 32)
+        if self.min_match > self.max_match:
+            raise ValueError(f"speculative_config['min_match'] = {self.min_match} exceeds "
+                             f"speculative_config['max_match'] = {self.max_match}")
+        check_choice("budget", self.budget, BUDGET_MODES)
 
     def resolved(self, device: str, target_config: Any = None) -> "PTDConfig":
         """A copy with the device-dependent defaults filled in (the target is not needed)."""

@@ -20,29 +20,46 @@ from typing import Callable, Sequence
 
 from vllm_ptd.method import StepOutcome, TreeMethod
 from vllm_ptd.ptd.candidate_pool import CandidatePool
+from vllm_ptd.ptd.candidates import build_candidates
 from vllm_ptd.ptd.config import PTDConfig
 from vllm_ptd.ptd.draft_tree import DraftTree
 from vllm_ptd.ptd.seeding import Seeding, make_seeding
+from vllm_ptd.ptd.suffix_index import SuffixIndex
 from vllm_ptd.tree import FlatTree
+
+
+# Group of pool nodes whose only evidence is a merged draft subtree: what the draft rows
+# bought. Groups 0 (pool, text evidence) and 2.. (suffix match length) come from candidates.
+DRAFT_GROUP = 1
+# prior of the value of one draft row in accepted tokens (draft-only candidates accepted per
+# draft row spent), as pseudo-counts; the method's own counts take over as they come
+DRAFT_PRIOR_HITS, DRAFT_PRIOR_ROWS = 2.0, 20.0
 
 
 class PTDRequest:
     """One request's PTD state."""
 
-    __slots__ = ("req_id", "draft", "pool", "rng", "history", "prompt_len", "last",
+    __slots__ = ("req_id", "draft", "pool", "rng", "text", "prompt_len", "last",
                  "expected_last", "steps")
 
     def __init__(self, req_id: str, draft: DraftTree, pool: CandidatePool,
-                 rng: random.Random, prompt: list[int]) -> None:
+                 rng: random.Random, text: SuffixIndex, prompt_len: int) -> None:
         self.req_id = req_id
         self.draft = draft
         self.pool = pool
         self.rng = rng
-        self.history = prompt  # committed tokens: prompt then output (seeding's context)
-        self.prompt_len = len(prompt)
+        self.text = text  # committed tokens (prompt then output), indexed by suffix
+        self.prompt_len = prompt_len
         self.last: int | None = None           # root token of the last proposal
         self.expected_last: int | None = None  # last committed token seen by observe
         self.steps = 0
+
+    @property
+    def history(self) -> list[int]:
+        return self.text.tokens
+
+    def nbytes(self) -> int:
+        return self.pool.nbytes() + self.text.nbytes() + 200 * self.draft.num_nodes
 
 
 def request_seed(seed: int, prompt: list[int]) -> int:
@@ -69,6 +86,8 @@ class PTDMethod(TreeMethod[PTDRequest]):
         # n-grams of depth+1 tokens: chains as deep as a draft subtree may get
         self.ngram = config.depth + 1
         self.causal = config.draft_attention == "causal"
+        self.draft_hits = 0.0  # draft-only candidates accepted, over all requests
+        self.draft_rows = 0.0  # draft rows that ran
 
     @property
     def max_tree_nodes(self) -> int:
@@ -80,7 +99,10 @@ class PTDMethod(TreeMethod[PTDRequest]):
         prompt = [int(t) for t in prompt_token_ids]
         draft = DraftTree(c.width, c.depth, c.max_draft_nodes, self.eos_token_ids)
         pool = CandidatePool(c.pool_key_nodes, c.pool_max_nodes)
-        st = PTDRequest(req_id, draft, pool, random.Random(request_seed(c.seed, prompt)), prompt)
+        text = SuffixIndex(c.max_match, c.min_match)
+        text.extend(prompt)
+        st = PTDRequest(req_id, draft, pool, random.Random(request_seed(c.seed, prompt)), text,
+                        len(prompt))
         if c.pool_from_prompt:
             pool.insert_ngrams(prompt, self.ngram)
         self._refill(st)
@@ -101,7 +123,7 @@ class PTDMethod(TreeMethod[PTDRequest]):
             return
         h = st.history
         old = len(h)
-        h.extend(int(t) for t in tokens)
+        st.text.extend(tokens)
         if not self.config.pool_from_output:
             return
         n = self.ngram
@@ -112,9 +134,16 @@ class PTDMethod(TreeMethod[PTDRequest]):
             st.pool.insert_path(h[i], h[i + 1: min(i + n, new)])
 
     # ------------------------------------------------------------------ steps
+    @property
+    def draft_value(self) -> float:
+        """Expected accepted tokens one draft row brings (through the pool entries it grows),
+        estimated from the draft-only candidates accepted per draft row spent."""
+        return (self.draft_hits + DRAFT_PRIOR_HITS) / (self.draft_rows + DRAFT_PRIOR_ROWS)
+
     def propose(self, req_ids: list[str], last_tokens: list[int]) -> list[FlatTree]:
         out = []
-        nv_max = self.config.max_verify_nodes
+        c = self.config
+        suffix = c.match == "suffix"
         for req_id, last in zip(req_ids, last_tokens):
             st = self._requests[req_id]
             last = int(last)
@@ -123,8 +152,12 @@ class PTDMethod(TreeMethod[PTDRequest]):
                 # mismatch means the engine committed something observe did not see
                 self._commit(st, [last])
                 st.expected_last = last
-            cand = st.pool.retrieve_lists(last, nv_max)
-            tree = st.draft.to_flat(cand, causal=self.causal)
+            match = st.text.continuations(self.ngram) if suffix else None
+            cand = build_candidates(st.pool, last, match, c.max_verify_nodes)
+            groups = [DRAFT_GROUP if d else g for g, d in zip(cand.groups, cand.draft_only)]
+            tree = st.draft.to_flat((cand.tokens, cand.parents), causal=self.causal)
+            tree.scores, tree.groups = cand.scores, groups
+            tree.draft_value = self.draft_value
             st.last = last
             out.append(tree)
         return out
@@ -138,6 +171,9 @@ class PTDMethod(TreeMethod[PTDRequest]):
             st.pool.tick()
             tree = oc.tree
             nv = tree.num_verify
+            self.draft_rows += tree.num_nodes - nv
+            if tree.groups is not None:
+                self.draft_hits += sum(tree.groups[a] == DRAFT_GROUP for a in oc.accepted)
             draft_argmax = list(oc.node_argmax[nv: tree.num_nodes])
             # 1. the draft tree evolves (rows cut by the scheduler simply give no argmax)
             st.draft.grow(draft_argmax if tree.num_nodes > 0 else [])

@@ -1,0 +1,337 @@
+"""How many rows each request's tree gets this step: a cost model the engine measures itself
+and acceptance estimates calibrated on outcomes. No vLLM import.
+
+A step of a batch of B decoding requests commits B tokens (each request's bonus) plus the
+accepted tree nodes, and costs ``overhead + forward(rows)``, rows = the step's other rows +
+the tree nodes. So with node i accepted with probability p_i, a step with the nodes S runs at
+
+    tokens per ms  =  (B + sum_{i in S} p_i) / (overhead + forward(base_rows + |S|))
+
+``allocate`` picks S to maximise that: the nodes of all requests ranked by p, and the
+count that maximises the ratio (possibly 0: no tree pays, and the step runs as plain
+decoding). Because p never rises from parent to child, the best nodes of a request always
+include their parents. Draft rows (PTD) enter with the value the method estimates for them.
+
+``StepCostModel`` learns ``forward(rows)`` and ``overhead`` from the engine's own steps
+(exponential averages per row count; counts not seen yet are interpolated, starting from a
+prior slope), and can be saved and loaded per machine and model, so a new engine starts
+from what the last one measured. ``AcceptanceModel`` turns each method's own estimate of a
+node (its ``score``, in a ``group``) into a calibrated one: how often nodes of that group
+and score bin were accepted, in this request and over all requests.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_ptd.tree import FlatTree
+
+# bins of a method's own conditional score (the probability it gives a node given its parent)
+SCORE_BINS = (0.1, 0.25, 0.5, 0.75, 0.9)
+
+
+def score_bin(q: float) -> int:
+    return bisect.bisect_right(SCORE_BINS, q)
+
+
+class AcceptanceModel:
+    """Calibrated P(node accepted | its parent accepted) per (group, score bin).
+
+    Estimate for a request: ``(a_r + s_r * p_e) / (n_r + s_r)`` with the request's own counts
+    (a_r accepted of n_r offered) and the engine-wide estimate ``p_e = (a_e + s_e * q) /
+    (n_e + s_e)`` as prior, which in turn starts from the method's own score q. A node counts
+    as offered only when its parent was accepted (or is the root): otherwise the walk never
+    looked at it."""
+
+    def __init__(self, engine_strength: float = 8.0, request_strength: float = 4.0,
+                 max_requests: int = 100_000) -> None:
+        self.engine_strength = engine_strength
+        self.request_strength = request_strength
+        self.max_requests = max_requests
+        self.engine: dict[tuple[int, int], list[float]] = {}
+        self.requests: dict[str, dict[tuple[int, int], list[float]]] = {}
+
+    def conditional(self, req_id: str, scores: list[float], groups: list[int]) -> list[float]:
+        own = self.requests.get(req_id, {})
+        se, sr = self.engine_strength, self.request_strength
+        out = []
+        for q, g in zip(scores, groups):
+            key = (g, score_bin(q))
+            a, n = self.engine.get(key, (0.0, 0.0))
+            pe = (a + se * q) / (n + se)
+            a, n = own.get(key, (0.0, 0.0))
+            out.append(min(1.0, max(0.0, (a + sr * pe) / (n + sr))))
+        return out
+
+    def unconditional(self, req_id: str, tree: FlatTree) -> list[float]:
+        """P(node accepted) for every verify node (product along its path)."""
+        nv = tree.num_verify
+        if tree.scores is None or tree.groups is None:
+            return [0.0] * nv
+        cond = self.conditional(req_id, tree.scores, tree.groups)
+        out: list[float] = []
+        for i in range(nv):
+            p = tree.parents[i]
+            out.append(cond[i] * (1.0 if p < 0 else out[p]))
+        return out
+
+    def observe(self, req_id: str, tree: FlatTree, accepted: list[int]) -> None:
+        if tree.scores is None or tree.groups is None or tree.num_verify == 0:
+            return
+        own = self.requests.get(req_id)
+        if own is None:
+            if len(self.requests) >= self.max_requests:  # bounded: drop the oldest
+                self.requests.pop(next(iter(self.requests)))
+            own = self.requests[req_id] = {}
+        on_path = set(accepted)
+        for i in range(tree.num_verify):
+            p = tree.parents[i]
+            if p >= 0 and p not in on_path:
+                continue  # never looked at
+            key = (tree.groups[i], score_bin(tree.scores[i]))
+            hit = 1.0 if i in on_path else 0.0
+            for table in (self.engine, own):
+                cell = table.get(key)
+                if cell is None:
+                    table[key] = [hit, 1.0]
+                else:
+                    cell[0] += hit
+                    cell[1] += 1.0
+
+    def forget(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+
+
+@dataclass
+class _Stat:
+    ms: float
+    n: int
+
+
+class StepCostModel:
+    """Forward milliseconds against rows per step, and the per-step overhead, measured.
+
+    ``prior_slope``: the cost of one more row relative to a one-row step before anything was
+    measured (CPU: rows are compute, about 0.15; GPU: nearly free, 0.01)."""
+
+    EMA = 0.1
+    MIN_SAMPLES = 2
+
+    def __init__(self, prior_slope: float = 0.15, path: str | os.PathLike | None = None) -> None:
+        self.prior_slope = prior_slope
+        self.path = Path(path) if path is not None else None
+        self.rows: dict[int, _Stat] = {}
+        self.overhead = _Stat(0.0, 0)
+        self.samples = 0
+        if self.path is not None and self.path.is_file():
+            self.load(self.path)
+
+    # ---- learning ---------------------------------------------------------------------
+    @staticmethod
+    def bucket(rows: int) -> int:
+        """Exact row counts up to 64, then 1/8-octave buckets (costs grow smoothly there)."""
+        if rows <= 64:
+            return max(1, rows)
+        step = 1 << max(0, int(math.log2(rows)) - 3)
+        return (rows // step) * step
+
+    def observe(self, rows: int, forward_ms: float, overhead_ms: float | None = None) -> None:
+        b = self.bucket(rows)
+        st = self.rows.get(b)
+        if st is None:
+            self.rows[b] = _Stat(forward_ms, 1)
+        else:
+            a = max(self.EMA, 1.0 / (st.n + 1))
+            st.ms += a * (forward_ms - st.ms)
+            st.n += 1
+        if overhead_ms is not None and overhead_ms >= 0:
+            o = self.overhead
+            a = max(self.EMA, 1.0 / (o.n + 1))
+            o.ms = overhead_ms if o.n == 0 else o.ms + a * (overhead_ms - o.ms)
+            o.n += 1
+        self.samples += 1
+
+    # ---- estimates ----------------------------------------------------------------------
+    def _known(self) -> list[tuple[int, float]]:
+        return sorted((b, s.ms) for b, s in self.rows.items() if s.n >= self.MIN_SAMPLES)
+
+    def forward_ms(self, rows: int, known: list[tuple[int, float]] | None = None) -> float:
+        """Estimated forward ms of a step with ``rows`` rows (``known``: ``self._known()``,
+        passed by callers that ask for many row counts at once)."""
+        rows = max(1, rows)
+        known = self._known() if known is None else known
+        if not known:
+            base = next(iter(self.rows.values())).ms if self.rows else 1.0
+            return base * (1.0 + self.prior_slope * (rows - 1))
+        xs = [b for b, _ in known]
+        i = bisect.bisect_left(xs, rows)
+        if i < len(xs) and xs[i] == rows:
+            return known[i][1]
+        if i == 0:  # below every measurement: scale the smallest down along the prior slope
+            b, ms = known[0]
+            return ms * (1.0 + self.prior_slope * (rows - 1)) / (1.0 + self.prior_slope * (b - 1))
+        if i == len(xs):  # above: extend the last measured slope (or the prior's)
+            b, ms = known[-1]
+            if len(known) >= 2:
+                b0, ms0 = known[-2]
+                slope = max(0.0, (ms - ms0) / (b - b0))
+            else:
+                slope = ms * self.prior_slope / (1.0 + self.prior_slope * (b - 1))
+            return ms + slope * (rows - b)
+        (b0, m0), (b1, m1) = known[i - 1], known[i]
+        return m0 + (m1 - m0) * (rows - b0) / (b1 - b0)
+
+    def step_ms_range(self, lo: int, hi: int) -> list[float]:
+        """``overhead + forward(rows)`` for rows = lo .. hi."""
+        known = self._known()
+        return [self.overhead.ms + self.forward_ms(r, known) for r in range(lo, hi + 1)]
+
+    @property
+    def overhead_ms(self) -> float:
+        return self.overhead.ms
+
+    def step_ms(self, rows: int) -> float:
+        return self.overhead.ms + self.forward_ms(rows)
+
+    # ---- persistence --------------------------------------------------------------------
+    def save(self, path: str | os.PathLike | None = None) -> None:
+        path = Path(path) if path is not None else self.path
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {"rows": {str(b): [s.ms, s.n] for b, s in sorted(self.rows.items())},
+                "overhead": [self.overhead.ms, self.overhead.n]}
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+
+    def load(self, path: str | os.PathLike) -> None:
+        try:
+            data = json.loads(Path(path).read_text())
+            # a loaded curve is a prior: it counts as at most MIN_SAMPLES samples per bucket,
+            # so this engine's own steps take over quickly
+            self.rows = {int(b): _Stat(float(ms), min(int(n), self.MIN_SAMPLES))
+                         for b, (ms, n) in data["rows"].items()}
+            ms, n = data["overhead"]
+            self.overhead = _Stat(float(ms), min(int(n), self.MIN_SAMPLES))
+        except (OSError, ValueError, KeyError, TypeError):
+            self.rows, self.overhead = {}, _Stat(0.0, 0)  # a broken cache is no cache
+
+
+@dataclass
+class Allocation:
+    verify: list[list[int]]   # per request: the verify node indices kept (ascending)
+    draft: list[int]          # per request: draft rows kept
+    expected_tokens: float
+    rows: int
+    pays: bool = False        # the trees beat plain decoding even counting their drafting
+
+
+def allocate(values: list[list[float]], parents: list[list[int]], draft_values: list[float],
+             draft_caps: list[int], base_rows: int, num_requests: int,
+             cost: StepCostModel, drafting_ms: float = 0.0) -> Allocation:
+    """The nodes that maximise expected tokens per millisecond this step.
+
+    ``values[r][i]``: P(request r's verify node i is accepted); ``parents[r][i]`` its parent
+    (-1: the root); ``draft_values[r]``: expected tokens per draft row of request r, at most
+    ``draft_caps[r]`` rows; ``base_rows``: the step's rows besides tree nodes (one root per
+    decoding request, and any prefill rows); ``num_requests``: the bonus tokens.
+    ``drafting_ms``: what making the trees cost this step (already spent; ``pays`` says
+    whether the chosen trees beat plain decoding without it)."""
+    items: list[tuple[float, int, int, int, int]] = []  # (-value, depth, request, kind, index)
+    for r, vals in enumerate(values):
+        depth: list[int] = []
+        for i, v in enumerate(vals):
+            p = parents[r][i]
+            depth.append(1 if p < 0 else depth[p] + 1)
+            items.append((-v, depth[i], r, 0, i))
+        for j in range(draft_caps[r]):
+            items.append((-draft_values[r], 1_000 + j, r, 1, j))  # after equal-valued nodes
+    items.sort()
+    step_ms = cost.step_ms_range(base_rows, base_rows + len(items))
+    best_k, best_rate, gain = 0, num_requests / step_ms[0], 0.0
+    for k, it in enumerate(items, start=1):
+        gain += -it[0]
+        rate = (num_requests + gain) / step_ms[k]
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    keep_v: list[list[int]] = [[] for _ in values]
+    keep_d = [0] * len(values)
+    total = 0.0
+    for v, _, r, kind, i in items[:best_k]:
+        total -= v
+        if kind == 0:
+            keep_v[r].append(i)
+        else:
+            keep_d[r] += 1
+    for r, kept in enumerate(keep_v):
+        kept.sort()
+        # ties in value are broken by depth, so a parent is always ranked before its child;
+        # keep the set closed under parents all the same (values from outside may tie oddly)
+        have = set(kept)
+        keep_v[r] = [i for i in kept if all_ancestors_in(parents[r], i, have)]
+    plain_rate = num_requests / max(step_ms[0] - drafting_ms, 1e-9)
+    return Allocation(keep_v, keep_d, num_requests + total, base_rows + best_k,
+                      pays=best_k > 0 and best_rate > plain_rate)
+
+
+def all_ancestors_in(parents: list[int], i: int, have: set[int]) -> bool:
+    p = parents[i]
+    while p >= 0:
+        if p not in have:
+            return False
+        p = parents[p]
+    return True
+
+
+class TreeBudget:
+    """Sizes a step's trees (``size``) and decides whether drafting is worth running at all
+    (``should_draft``): after ``MISSES`` proposals in a row whose trees did not beat plain
+    decoding (drafting cost included), drafting pauses for 2, 4, ... up to ``MAX_PAUSE``
+    steps, then tries again, as n-gram drafting sends nothing when nothing matches."""
+
+    MISSES = 4
+    MAX_PAUSE = 64
+
+    def __init__(self, cost: StepCostModel, acceptance: AcceptanceModel | None = None) -> None:
+        self.cost = cost
+        self.acceptance = acceptance or AcceptanceModel()
+        self._misses = 0
+        self._pause = 1
+        self._skip = 0
+        self.last: Allocation | None = None
+
+    def should_draft(self) -> bool:
+        if self._skip > 0:
+            self._skip -= 1
+            return False
+        return True
+
+    def size(self, req_ids: list[str], trees: list[FlatTree], base_rows: int,
+             num_requests: int, drafting_ms: float = 0.0) -> list[FlatTree]:
+        values = [self.acceptance.unconditional(r, t) for r, t in zip(req_ids, trees)]
+        parents = [t.parents[: t.num_verify] for t in trees]
+        draft_caps = [t.num_nodes - t.num_verify for t in trees]
+        draft_values = [t.draft_value or 0.0 for t in trees]
+        alloc = allocate(values, parents, draft_values, draft_caps, base_rows, num_requests,
+                         self.cost, drafting_ms)
+        self.last = alloc
+        if alloc.pays:
+            self._misses, self._pause = 0, 1
+        else:
+            self._misses += 1
+            if self._misses >= self.MISSES:
+                self._misses = 0
+                self._skip = self._pause
+                self._pause = min(2 * self._pause, self.MAX_PAUSE)
+        return [t.select(v, d) for t, v, d in zip(trees, alloc.verify, alloc.draft)]
+
+    def observe(self, req_id: str, tree: FlatTree, accepted: list[int]) -> None:
+        self.acceptance.observe(req_id, tree, accepted)
+
+    def forget(self, req_id: str) -> None:
+        self.acceptance.forget(req_id)
