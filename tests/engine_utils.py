@@ -59,10 +59,18 @@ class Trace:
     def mark(self) -> None:
         self.offset = os.path.getsize(self.path) if os.path.exists(self.path) else 0
 
-    def since_mark(self) -> list[dict]:
+    def lines(self) -> list[dict]:
         with open(self.path) as f:
             f.seek(self.offset)
             return [json.loads(line) for line in f if line.strip()]
+
+    def since_mark(self) -> list[dict]:
+        """The per-request records (one per request and step with a tree)."""
+        return [r for r in self.lines() if "req" in r]
+
+    def steps_since_mark(self) -> list[dict]:
+        """The per-step timing records."""
+        return [r["step"] for r in self.lines() if "step" in r]
 
 
 @contextlib.contextmanager

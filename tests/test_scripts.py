@@ -1,61 +1,88 @@
-"""The benchmark scripts' own logic: method parsing, defaults, the memory check, and the
-report/plots rebuilt from a committed run's results.json (no engine is started)."""
+"""The benchmark package's own logic (vllm_ptd.bench): method parsing, defaults, the memory
+check, trace reading, and the report/plots rebuilt from a committed run's results.json (no
+engine is started)."""
 from __future__ import annotations
 
 import argparse
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
+from vllm_ptd.bench import engines, host, memory, methods, offline
 
-import benchmark as bm  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_parse_methods_adds_plain_and_checks_keys():
-    methods = bm.parse_methods("ngram:3,ptd:max_verify_nodes=6:max_draft_nodes=4,pctree:mode=chain")
-    assert [m.label for m in methods][0] == "none"
-    ngram = methods[1]
+    parsed = methods.parse_methods("ngram:3,ptd:max_verify_nodes=6:max_draft_nodes=4,pctree:mode=chain")
+    assert [m.label for m in parsed][0] == "none"
+    ngram = parsed[1]
     assert ngram.spec["num_speculative_tokens"] == 3 and ngram.spec["prompt_lookup_max"] == 5
-    assert methods[2].spec == {"method": "ptd", "max_verify_nodes": 6, "max_draft_nodes": 4}
+    assert parsed[2].spec == {"method": "ptd", "max_verify_nodes": 6, "max_draft_nodes": 4}
     with pytest.raises(ValueError, match="given twice"):
-        bm.parse_methods("ptd,ptd")
+        methods.parse_methods("ptd,ptd")
     with pytest.raises(ValueError, match="max_verfy_nodes"):
-        bm.parse_methods("ptd:max_verfy_nodes=3")
+        methods.parse_methods("ptd:max_verfy_nodes=3")
     with pytest.raises(ValueError, match="unknown method"):
-        bm.parse_methods("eagle")
+        methods.parse_methods("eagle")
 
 
 def test_dtype_auto_and_fp32_alias():
     a = argparse.Namespace(dtype="auto", kv_cache_gib=None, model="m")
-    bm.resolve_common_args(a)
-    assert a.dtype == ("bfloat16" if bm.fast_bf16() else "float32")
+    host.resolve_common_args(a)
+    assert a.dtype == ("bfloat16" if host.fast_bf16() else "float32")
     assert a.kv_cache_gib == (1.0 if a.dtype == "float32" else 0.5)
     b = argparse.Namespace(dtype="fp32", kv_cache_gib=0.25, model="m")
-    bm.resolve_common_args(b)
+    host.resolve_common_args(b)
     assert (b.dtype, b.kv_cache_gib) == ("float32", 0.25)
 
 
 def test_memory_check_refuses_too_many_engines(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     opts = {"dtype": "float32", "kv_cache_gib": 0.5}
-    bm._check_memory(4, opts, avail_gib=20.0)  # 4 x 3 GiB fits
+    memory.check_memory(4, opts, avail_gib=20.0)  # 4 x 3 GiB fits
     with pytest.raises(SystemExit, match="9 engines need about 27 GiB"):
-        bm._check_memory(9, opts, avail_gib=20.0)
+        memory.check_memory(9, opts, avail_gib=20.0)
 
 
 def test_replot_rebuilds_report_and_plots(tmp_path):
     pytest.importorskip("matplotlib")
     src = REPO / "docs" / "results" / "batch1" / "results.json"
     shutil.copy(src, tmp_path / "results.json")
-    bm.replot(tmp_path / "results.json", str(REPO / "docs" / "results" / "rowcost" / "row_cost.json"))
+    offline.replot(tmp_path / "results.json", str(REPO / "docs" / "results" / "rowcost" / "row_cost.json"))
     md = (tmp_path / "results.md").read_text()
     data = json.loads(src.read_text())
     for label in data["meta"]["methods"]:
         assert f"| {label} |" in md
     for png in ("speedup.png", "de_vs_rows.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_suffix_baseline_is_skipped_with_a_note_when_missing(monkeypatch, capsys):
+    monkeypatch.setattr(methods, "suffix_available", lambda: False)
+    labels = [m.label for m in methods.parse_methods("ngram:6,suffix,ptd")]
+    assert labels == ["none", "ngram:6", "ptd"]
+    assert "arctic-inference" in capsys.readouterr().out
+    monkeypatch.setattr(methods, "suffix_available", lambda: True)
+    (suffix,) = [m for m in methods.parse_methods("suffix:suffix_decoding_max_tree_depth=16")
+                 if m.name == "suffix"]
+    assert suffix.spec == {"method": "suffix", "suffix_decoding_max_tree_depth": 16}
+
+
+def test_trace_reader_splits_request_and_step_records(tmp_path):
+    from vllm_ptd.bench.aggregate import step_time_summary
+
+    path = tmp_path / "trace.jsonl"
+    path.write_text(json.dumps({"req": "a", "nodes": 4, "proposed": 5, "verify": 3,
+                                "accepted": 2, "committed": 3}) + "\n"
+                    + json.dumps({"step": {"rows": 5, "wall_ms": 40.0, "forward_ms": 30.0,
+                                           "tree_attention_ms": 2.0, "verify_ms": 1.0,
+                                           "drafting_ms": 3.0, "budget_ms": 0.5}}) + "\n"
+                    + '{"req": "b", "nod')  # a line still being written
+    rows, steps, pos = engines.read_trace(str(path), 0)
+    assert rows == [(4, 3, 2, 3)] and len(steps) == 1
+    assert pos < path.stat().st_size  # the partial line is read next time
+    t = step_time_summary(steps + [{"rows": 1, "wall_ms": 5000.0}])  # an idle gap is left out
+    assert t["steps"] == 1 and t["other"] == 40.0 - 30.0 - 1.0 - 3.0 - 0.5

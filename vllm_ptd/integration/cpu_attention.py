@@ -14,6 +14,8 @@ layout never appears.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -84,6 +86,7 @@ class TreeCPUAttentionImpl(TreeKVStashMixin, CPUAttentionBackendImpl):
         step = self.tree_step
         if step is None or attn_metadata is None or not step.rows.req_rows:
             return output
+        t0 = time.perf_counter()
         out = output.view(output.shape[0], self.num_heads, self.head_size)
         bs = kv_cache.shape[2]
         block_table = attn_metadata.block_table
@@ -93,6 +96,8 @@ class TreeCPUAttentionImpl(TreeKVStashMixin, CPUAttentionBackendImpl):
             k, v = gather_kv_vec(kv_cache, block_table[b, :nblocks].long(), seq_len)
             o = grouped_masked_attention(query[row: row + m], k, v, mask, self.scale)
             out[row: row + m] = o.to(out.dtype)
+        if self.tree_channel.clock is not None:
+            self.tree_channel.clock.add("tree_attention", 1000 * (time.perf_counter() - t0))
         return output
 
 

@@ -28,6 +28,7 @@ import torch
 
 from vllm_ptd.budget import StepCostModel, TreeBudget
 from vllm_ptd.integration.kv_stash import bind_tree_attention
+from vllm_ptd.integration.step_clock import StepClock
 from vllm_ptd.integration.step import StepChannel, TreeStep, build_step
 from vllm_ptd.method import BuildContext, StepOutcome, TreeMethod
 from vllm_ptd.methods import find_method
@@ -45,8 +46,9 @@ IDLE_GAP_MS = 1000.0  # a longer gap between steps is the engine waiting, not st
 PRIOR_ROW_SLOPE = {"cpu": 0.15, "cuda": 0.01}
 
 
-def cost_cache_path(vllm_config, device_type: str) -> Path | None:
-    """Where this machine's measured step costs for this model and engine set-up are kept
+def cost_cache_path(vllm_config, device_type: str, method: str) -> Path | None:
+    """Where this machine's measured step costs for this model, engine set-up and method
+    (whose drafting is part of the per-step overhead) are kept
     (``$VLLM_PTD_CACHE/cost/<key>.json``, default ``~/.cache/vllm_ptd``); None when
     ``VLLM_PTD_COST_CACHE=0``."""
     if os.environ.get("VLLM_PTD_COST_CACHE", "1") == "0":
@@ -64,7 +66,7 @@ def cost_cache_path(vllm_config, device_type: str) -> Path | None:
         except OSError:
             pass
     mc = vllm_config.model_config
-    key = json.dumps([machine, os.cpu_count(), torch.get_num_threads(), str(mc.model),
+    key = json.dumps([method, machine, os.cpu_count(), torch.get_num_threads(), str(mc.model),
                       str(mc.dtype), str(vllm_config.compilation_config.mode),
                       vllm_config.parallel_config.tensor_parallel_size])
     root = Path(os.environ.get("VLLM_PTD_CACHE", Path.home() / ".cache" / "vllm_ptd"))
@@ -155,9 +157,8 @@ class TreeProposer:
         self.metrics = SpecMetrics()
         self._steps = 0
         self.budget: TreeBudget | None = None  # made in bind (needs the device)
-        self._forward_start: float | None = None  # this step's forward began (perf_counter)
-        self._last_step: tuple[float, float] | None = None  # (start, forward ms) of the last
-        self._step_rows = 0
+        self.clock = StepClock()
+        self.channel.clock = self.clock
         trace = os.environ.get("VLLM_PTD_TRACE")
         self.trace = open(trace, "a", buffering=1) if trace else None
 
@@ -175,7 +176,7 @@ class TreeProposer:
         if getattr(self.options, "budget", "fixed") == "auto":
             kind = "cuda" if runner.device.type == "cuda" else "cpu"
             self.budget = TreeBudget(StepCostModel(
-                PRIOR_ROW_SLOPE[kind], cost_cache_path(self.vllm_config, kind)))
+                PRIOR_ROW_SLOPE[kind], cost_cache_path(self.vllm_config, kind, self.kind)))
 
     def load_model(self, target_model) -> None:
         """vLLM's CPU runner calls this after loading the target (GPU: the runner patch)."""
@@ -241,33 +242,35 @@ class TreeProposer:
         self.channel.open(step)
 
     def _time_step(self, rows: int) -> None:
-        """The cost model's samples: a step's forward runs from the end of
-        ``_prepare_inputs`` to ``_sample``; the rest of the time between two steps' starts
-        is per-step overhead (scheduling, sampling, drafting, bookkeeping)."""
-        now = time.perf_counter()
-        if self._last_step is not None and self.budget is not None:
-            start, forward_ms = self._last_step
-            overhead = 1000 * (now - start) - forward_ms
-            self.budget.cost.observe(self._step_rows, forward_ms,
+        """Close the last step's clock: its forward time and overhead are the cost model's
+        samples (a gap longer than ``IDLE_GAP_MS`` is the engine idling, not overhead), and
+        with ``VLLM_PTD_TRACE`` its record goes to the trace."""
+        record = self.clock.start_step(rows)
+        if record is None:
+            return
+        if self.budget is not None and record["forward_ms"] > 0:
+            overhead = record["wall_ms"] - record["forward_ms"]
+            self.budget.cost.observe(record["rows"], record["forward_ms"],
                                      overhead if overhead < IDLE_GAP_MS else None)
             if self.budget.cost.samples % SAVE_COST_EVERY_STEPS == 0:
                 self.budget.cost.save()
-        self._last_step = None
-        self._forward_start = now
-        self._step_rows = rows
+        if self.trace is not None:
+            self.trace.write(json.dumps({"step": {k: round(v, 3) for k, v in record.items()}})
+                             + "\n")
 
     def forward_done(self) -> None:
         """Called when the step's logits exist (start of sampling)."""
-        if self._forward_start is not None:
-            self._last_step = (self._forward_start,
-                               1000 * (time.perf_counter() - self._forward_start))
-            self._forward_start = None
+        self.clock.forward_done()
 
     # ---- 2. instead of the rejection sampler ------------------------------------------
     def verify(self, logits: torch.Tensor, spec_meta, orig_sample) -> "SamplerOutput":  # noqa: F821
         """The step's tokens for every request, in named steps: vLLM's sampler for requests
         without a tree, the argmax at every tree row, the walks, the record of what each
         request learnt, the K/V moves; the output is built on the host and copied once."""
+        with self.clock.part("verify"):
+            return self._verify(logits, spec_meta, orig_sample)
+
+    def _verify(self, logits: torch.Tensor, spec_meta, orig_sample):
         from vllm.v1.outputs import SamplerOutput
 
         step = self.channel.step
@@ -350,7 +353,8 @@ class TreeProposer:
                     "committed": len(committed)}) + "\n")
         self._steps += 1
         if self._steps % LOG_EVERY_STEPS == 0:
-            logger.info("vllm-ptd %s: %s", self.kind, self.metrics.summary())
+            logger.info("vllm-ptd %s: %s; per step %s", self.kind, self.metrics.summary(),
+                        self.clock.summary())
 
     # ---- 3. drafting --------------------------------------------------------------------
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
@@ -397,7 +401,8 @@ class TreeProposer:
             ready_last.append(int(toks[-1]))
             ready_b.append(b)
         if observe_ids:
-            method.observe(observe_ids, observe_outcomes)
+            with self.clock.part("drafting"):
+                method.observe(observe_ids, observe_outcomes)
         if not ready_ids:
             return out
         disabled = (self.disable_by_batch_size is not None
@@ -409,11 +414,13 @@ class TreeProposer:
                 self.trees.pop(req_id, None)
             return out
         t0 = time.perf_counter()
-        trees = method.propose(ready_ids, ready_last)
+        with self.clock.part("drafting"):
+            trees = method.propose(ready_ids, ready_last)
         if self.budget is not None:
             drafting_ms = 1000 * (time.perf_counter() - t0)
-            trees = self.budget.size(ready_ids, trees, base_rows=ib.num_reqs,
-                                     num_requests=ib.num_reqs, drafting_ms=drafting_ms)
+            with self.clock.part("budget"):
+                trees = self.budget.size(ready_ids, trees, base_rows=ib.num_reqs,
+                                         num_requests=ib.num_reqs, drafting_ms=drafting_ms)
         for req_id, b, tree in zip(ready_ids, ready_b, trees):
             # the scheduler keeps positions below max_model_len: send what fits; the
             # stored tree is cut to what was scheduled in the next prepare_step

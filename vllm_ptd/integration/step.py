@@ -151,6 +151,7 @@ class StepChannel:
 
     def __init__(self) -> None:
         self._step: TreeStep | None = None
+        self.clock = None  # the proposer's StepClock (backends add their time to it)
 
     @property
     def step(self) -> TreeStep | None:

@@ -1,0 +1,74 @@
+"""The interleaved run: every engine runs every batch in turn, the order rotating."""
+from __future__ import annotations
+
+import time
+
+from vllm_ptd.bench.engines import Engine, EngineFailed
+
+
+def run_interleaved(engines: list[Engine], prompts: dict[str, list[dict]], batch_sizes: list[int],
+                    repeats: int, max_tokens: int, settle: float, warmup: bool,
+                    progress: bool = True, on_repeat_done=None, say=print) -> list[dict]:
+    """Every engine runs every batch of prompts in turn; the order rotates per batch.
+    Returns one record per (engine, dataset, batch size, repeat, batch)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the [bench] extra has it; plain progress lines otherwise
+        tqdm = None
+    work = []
+    for r in range(repeats):
+        for ds, items in prompts.items():
+            for bs in batch_sizes:
+                for ci, start in enumerate(range(0, len(items), bs)):
+                    work.append((r, ds, bs, ci, list(range(start, min(start + bs, len(items))))))
+    live = list(engines)
+    records: list[dict] = []
+
+    def turn(order, item, record: bool, bar=None, max_tok: int = max_tokens):
+        r, ds, bs, ci, idx = item
+        batch = [prompts[ds][i]["ids"] for i in idx]
+        for e in order:
+            if e not in live:
+                continue
+            if bar is not None:
+                bar.set_postfix_str(f"{ds} bs={bs} rep={r} {e.label}", refresh=False)
+            try:
+                res = e.generate(batch, max_tok)
+            except EngineFailed as err:
+                live.remove(e)
+                say(f"[bench] engine {e.label} failed and leaves the run: {err}\n{e.log_tail()}")
+                continue
+            finally:
+                if bar is not None:
+                    bar.update(1)
+            if settle > 0:
+                time.sleep(settle)  # let the finished engine's worker stop spinning
+            if record:
+                records.append({"method": e.label, "dataset": ds, "batch_size": bs, "repeat": r,
+                                "chunk": ci, "prompt_index": idx, "wall": res["wall"],
+                                "tokens": sum(len(o) for o in res["outputs"]),
+                                "outputs": res["outputs"], "counters": res["counters"],
+                                "trace": res["trace"], "steps": res.get("steps", [])})
+
+    if warmup:  # one-time costs (first shapes, allocator) out of the measurement
+        seen = set()
+        for item in work:
+            if item[2] not in seen:
+                seen.add(item[2])
+                turn(list(live), item, record=False, max_tok=min(32, max_tokens))
+    total = len(work) * len(live)
+    bar = tqdm(total=total, desc="benchmark", unit="gen", dynamic_ncols=True) \
+        if (progress and tqdm is not None) else None
+    last_r = 0
+    for k, item in enumerate(work):
+        if item[0] != last_r and on_repeat_done is not None:
+            on_repeat_done(records, last_r)
+        last_r = item[0]
+        shift = k % max(1, len(engines))
+        order = engines[shift:] + engines[:shift]
+        turn(order, item, record=True, bar=bar)
+        if bar is None and progress:
+            say(f"[bench] {k + 1}/{len(work)} batches")
+    if bar is not None:
+        bar.close()
+    return records

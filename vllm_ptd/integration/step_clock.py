@@ -1,0 +1,59 @@
+"""StepClock: where one engine step's time goes, as the tree proposer sees it.
+
+A step runs from the end of one ``_prepare_inputs`` to the end of the next. Its parts:
+``forward`` (end of ``_prepare_inputs`` to the start of sampling: the target model and its
+logits, tree attention included), ``tree_attention`` (the CPU backend's recompute of tree
+rows, inside ``forward``), ``verify`` (tree walks and K/V moves), ``drafting`` (the method's
+``observe`` and ``propose``) and ``budget`` (sizing the trees); the rest of ``wall`` is vLLM's
+own host work (scheduling, sampling, bookkeeping). Host clocks: on a GPU, ``forward`` is
+where the host waited for the device.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+PARTS = ("forward", "tree_attention", "verify", "drafting", "budget")
+
+
+class StepClock:
+    def __init__(self) -> None:
+        self._start: float | None = None
+        self._rows = 0
+        self._parts = dict.fromkeys(PARTS, 0.0)
+        self.totals = dict.fromkeys(("steps", "wall", *PARTS), 0.0)
+
+    def start_step(self, rows: int) -> dict | None:
+        """Close the step in flight and start the next one (``rows``: its scheduled tokens).
+        Returns the closed step's record: rows, wall_ms and one ``<part>_ms`` per part."""
+        now = time.perf_counter()
+        record = None
+        if self._start is not None:
+            record = {"rows": self._rows, "wall_ms": 1000 * (now - self._start),
+                      **{f"{k}_ms": v for k, v in self._parts.items()}}
+            self.totals["steps"] += 1
+            self.totals["wall"] += record["wall_ms"]
+            for k, v in self._parts.items():
+                self.totals[k] += v
+        self._start, self._rows = now, rows
+        self._parts = dict.fromkeys(PARTS, 0.0)
+        return record
+
+    def forward_done(self) -> None:
+        if self._start is not None and self._parts["forward"] == 0.0:
+            self._parts["forward"] = 1000 * (time.perf_counter() - self._start)
+
+    def add(self, part: str, ms: float) -> None:
+        self._parts[part] += ms
+
+    @contextlib.contextmanager
+    def part(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._parts[name] += 1000 * (time.perf_counter() - t0)
+
+    def summary(self) -> str:
+        n = max(1.0, self.totals["steps"])
+        return " ".join(f"{k}={self.totals[k] / n:.1f}ms" for k in ("wall", *PARTS))
