@@ -23,8 +23,7 @@ pytestmark = pytest.mark.vllm
 
 MODEL_ARGS = dict(dtype="float32", enforce_eager=True, seed=0)
 # The main engine's PTD runs its trees as made (no cost model, whose timing-driven sizes could
-# not be replayed by the reference engine); the small engine and the compiled tests run the
-# default, budget "auto".
+# not be replayed by the reference engine); the small engine runs the default, budget "auto".
 FIXED_PTD = {"method": "ptd", "budget": "fixed", "max_verify_nodes": 6, "max_draft_nodes": 2}
 # mixed prompt sets, 4 each, chat template applied
 SETS = ("mt_bench", "gsm8k", "humaneval", "mbpp")
@@ -105,6 +104,8 @@ def plain(engine_env, model_path, work):
     ({"method": "ptd", "width": 0}, "width"),
     ({"method": "ptd", "max_verify_nodes": -1}, "max_verify_nodes"),
     ({"method": "ptd", "num_speculative_tokens": 3}, "num_speculative_tokens"),
+    ({"method": "ptd", "disable_by_batch_size": 0}, "disable_by_batch_size"),
+    ({"method": "pctree", "mode": "chain", "branching": 8}, "branching"),
 ])
 def test_invalid_config_names_the_key(engine_env, model_path, spec, key):
     from vllm import LLM
@@ -112,6 +113,14 @@ def test_invalid_config_names_the_key(engine_env, model_path, spec, key):
     with pytest.raises(Exception) as info:
         LLM(model_path, max_model_len=256, speculative_config=spec, **MODEL_ARGS)
     assert repr(key) in str(info.value), str(info.value)
+
+
+def test_tree_budget_larger_than_the_context_is_refused(engine_env, model_path):
+    from vllm import LLM
+
+    spec = {"method": "ptd", "max_verify_nodes": 512, "max_draft_nodes": 512}
+    with pytest.raises(ValueError, match=r"1024 nodes .*max_model_len 512"):
+        LLM(model_path, max_model_len=512, speculative_config=spec, **MODEL_ARGS)
 
 
 # ---------------------------------------------------------------------------- PTD, 1024
@@ -167,8 +176,10 @@ class TestPTD:
         def delta(name):
             return after.get(name, 0) - before.get(name, 0)
 
-        assert delta("vllm:spec_decode_num_drafts") == len(trace)
-        assert delta("vllm:spec_decode_num_draft_tokens") == sum(t["nodes"] for t in trace)
+        # vLLM counts the candidate (verify) nodes offered, not the draft-tree rows
+        assert delta("vllm:spec_decode_num_drafts") == sum(t["verify"] > 0 for t in trace)
+        assert delta("vllm:spec_decode_num_draft_tokens") == sum(t["verify"] for t in trace)
+        assert sum(t["nodes"] - t["verify"] for t in trace) > 0, "no draft row ran"
         assert delta("vllm:spec_decode_num_accepted_tokens") == sum(t["accepted"] for t in trace)
         assert delta("vllm:spec_decode_num_accepted_tokens") > 0
 
@@ -239,6 +250,35 @@ class TestPTD:
         assert walked, "no candidate tree was verified while sampling"
         assert any(t["accepted"] > 0 for t in walked), "the sampling walk never accepted"
         assert _proposer(llm).num_tracked() == 0
+
+    def test_disable_by_batch_size_turns_trees_off_in_large_batches(self, llm, engine_env,
+                                                                     plain, work):
+        """``disable_by_batch_size``: no tree in a step whose batch has that many requests;
+        outputs unchanged. Set on the running engine's proposer (the key's parsing and its way
+        to the proposer are tested with the config)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        proposer = _proposer(llm)
+        proposer.disable_by_batch_size = 3
+        try:
+            engine_env.mark()
+            idx = [0, 1, 2]
+            outs = llm.generate([TokensPrompt(prompt_token_ids=work["mixed"][i]) for i in idx],
+                                [SamplingParams(temperature=0, max_tokens=work["mixed_max"][i])
+                                 for i in idx], use_tqdm=False)
+            trace = engine_env.since_mark()
+        finally:
+            proposer.disable_by_batch_size = None
+        _flush(llm)
+        for i, o in zip(idx, outs):
+            assert list(o.outputs[0].token_ids) == plain[("mixed", i)]
+        # the request that finishes first spent its whole life in a batch of 3: never a tree;
+        # the others got trees once it had finished
+        first = min(range(3), key=lambda k: len(outs[k].outputs[0].token_ids))
+        with_trees = {t["req"] for t in trace}
+        assert outs[first].request_id not in with_trees
+        assert with_trees, "no tree even after the batch shrank"
 
     def test_abort_mid_generation(self, llm, plain, work):
         from vllm import SamplingParams
