@@ -117,6 +117,17 @@ class GPUModelRunnerPatch(Patch):
         return proposer.propose(sampled_token_ids, self.input_batch.num_tokens_no_spec,
                                 self.input_batch.token_ids_cpu, hidden=hidden)
 
+    def take_draft_token_ids(self):
+        result = GPUModelRunnerPatch.original("take_draft_token_ids")(self)
+        proposer = _tree_proposer(self)
+        if proposer is None or result is None:
+            return result
+        from vllm_ptd.integration.scheduler_patch import TreeDraftTokenIds
+
+        return TreeDraftTokenIds(result.req_ids, result.draft_token_ids,
+                                 num_verify=[proposer.num_offered(r, len(t)) for r, t in
+                                             zip(result.req_ids, result.draft_token_ids)])
+
     def _input_fits_in_drafter(self, common_attn_metadata):
         # vLLM zeroes every request's drafts when the longest one nears max_model_len; the
         # proposer instead cuts each tree to its own request's room.

