@@ -73,6 +73,11 @@ class EngineArgsPatch(Patch):
         spec = self.speculative_config
         if not is_tree_method(spec):
             return orig(self, *args, **kwargs)
+        if (self.pipeline_parallel_size or 1) > 1:
+            raise ValueError(
+                f"pipeline_parallel_size = {self.pipeline_parallel_size}: vllm-ptd's tree "
+                f"verification needs every layer's K/V and the logits on the ranks that walk "
+                f"the trees; use tensor parallelism (tensor_parallel_size) instead")
         device = _device_kind()
         vllm_spec, ours = rewrite_speculative_config(
             {k.replace("-", "_"): v for k, v in spec.items()}, device, _target_config(self))

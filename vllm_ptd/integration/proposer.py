@@ -12,6 +12,11 @@ one engine step:
 3. ``propose`` (instead of vLLM's drafting call): feed the outcome back to the method (PTD
    grows its draft tree and pool; PCTree appends hidden states) and return next step's
    flattened trees.
+
+Tensor parallelism: every rank runs the model and the tree attention, but only the first
+rank of the tensor-parallel group drafts (its tokens are the ones vLLM schedules): in
+``prepare_step`` it broadcasts the scheduled trees' shapes, so every rank lays out the same
+rows, masks and positions, walks the same logits and moves the same K/V.
 """
 from __future__ import annotations
 
@@ -150,6 +155,8 @@ class TreeProposer:
         self.num_spec = vllm_config.speculative_config.num_speculative_tokens
         self.method: TreeMethod | None = None  # built in load_model
         self.runner = None
+        self.tp_group = None   # the tensor-parallel group when it has more than one rank
+        self.is_driver = True  # drafts (the first rank of the tensor-parallel group)
         self.channel = StepChannel()
         self.trees: dict[str, FlatTree] = {}        # what the scheduler got last step
         self.outcomes: dict[str, StepOutcome] = {}  # what this step's verification found
@@ -173,7 +180,13 @@ class TreeProposer:
 
     def bind(self, runner) -> None:
         self.runner = runner
-        if getattr(self.options, "budget", "fixed") == "auto":
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+        if group.world_size > 1:
+            self.tp_group = group
+            self.is_driver = group.rank_in_group == 0
+        if getattr(self.options, "budget", "fixed") == "auto" and self.is_driver:
             kind = "cuda" if runner.device.type == "cuda" else "cpu"
             self.budget = TreeBudget(StepCostModel(
                 PRIOR_ROW_SLOPE[kind], cost_cache_path(self.vllm_config, kind, self.kind)))
@@ -183,15 +196,30 @@ class TreeProposer:
         if self.method is not None:
             return
         bind_tree_attention(self.runner, self.channel)
+        if not self.is_driver:
+            return  # other ranks draft nothing: their trees come from the first rank
         vocab = self.model_config.hf_config.vocab_size
         embed = target_model.model.embed_tokens.weight[:vocab]  # vLLM's decoder-only layout
         lm_head = getattr(target_model, "lm_head", None)
         head = lm_head.weight[:vocab] if lm_head is not None and hasattr(lm_head, "weight") else embed
+        if self.tp_group is not None and self.spec.needs_hidden:
+            # a tensor-parallel rank holds a slice of the vocabulary; a drafter that shares
+            # the target's embeddings needs all of it, read once from the checkpoint
+            from vllm_ptd.pctree.checkpoint import load_target_embeddings
+
+            dev, dt = embed.device, embed.dtype
+            embed, head = (t.to(dev, dt) for t in load_target_embeddings(self.model_config.model))
         ctx = BuildContext(target_config=self.model_config.hf_config,
                            eos_token_ids=_eos_ids(self.model_config),
                            tokenizer=self.model_config.tokenizer, device=embed.device,
                            dtype=embed.dtype, target_embeddings=(embed, head))
         self.method = self.spec.build(self.options, ctx)
+
+    def num_offered(self, req_id: str, sent: int) -> int:
+        """Candidate (verify) nodes among the ``sent`` leading tokens of the request's tree:
+        what vLLM's spec-decode counters count as drafted."""
+        tree = self.trees.get(req_id)
+        return min(tree.num_verify, sent) if tree is not None else sent
 
     # ---- request life cycle -----------------------------------------------------------
     def forget(self, req_ids) -> None:
@@ -237,9 +265,20 @@ class TreeProposer:
             ctx.append(int(ib.num_computed_tokens_cpu[b]))
         if not trees:
             return
+        if self.tp_group is not None:
+            trees = self._shared_trees(trees)
         step = build_step(req_ids, batch_idx, trees, starts, ctx, self.runner.positions)
         step.proposed_nodes = proposed
         self.channel.open(step)
+
+    def _shared_trees(self, trees: list[FlatTree]) -> list[FlatTree]:
+        """The first rank's tree shapes on every rank (the tokens are the scheduler's, the same
+        everywhere): one broadcast per step over the group's CPU channel."""
+        shapes = [(t.parents, t.num_verify, t.causal_from) for t in trees] if self.is_driver else None
+        shapes = self.tp_group.broadcast_object(shapes, src=0)
+        if self.is_driver:
+            return trees
+        return [FlatTree(t.tokens, list(p), nv, cf) for t, (p, nv, cf) in zip(trees, shapes)]
 
     def _time_step(self, rows: int) -> None:
         """Close the last step's clock: its forward time and overhead are the cost model's
@@ -332,7 +371,10 @@ class TreeProposer:
         return walks
 
     def _record(self, step: TreeStep, argmax: torch.Tensor, walks) -> None:
-        """Each request's StepOutcome for ``propose``, the metrics and the trace."""
+        """Each request's StepOutcome for ``propose``, the metrics and the trace (on the
+        drafting rank)."""
+        if not self.is_driver:
+            return
         arg = argmax.tolist()
         pos = 0
         for i, (req_id, tree) in enumerate(zip(step.req_ids, step.trees)):
@@ -362,10 +404,12 @@ class TreeProposer:
         """Next step's flattened tree per request of the batch (empty: no speculation).
         ``hidden``: the tapped hidden states of every row of the step, for methods that
         need them."""
+        out: list[list[int]] = [[] for _ in range(len(sampled_token_ids))]
+        if not self.is_driver:
+            return out  # vLLM schedules the first rank's drafts
         ib = self.runner.input_batch
         qsl = self.runner.query_start_loc.np
         method = self.method
-        out: list[list[int]] = [[] for _ in range(len(sampled_token_ids))]
         observe_ids, observe_outcomes, ready_ids, ready_last, ready_b = [], [], [], [], []
         for b, req_id in enumerate(ib.req_ids[: ib.num_reqs]):
             toks = sampled_token_ids[b]
