@@ -516,14 +516,16 @@ def test_suffix_index_finds_the_longest_earlier_match():
     assert {t: c.count for t, c in m.root.children.items()} == {0: 1, 1: 1}
 
 
-def test_suffix_index_caps_occurrences():
+def test_suffix_index_uses_the_most_recent_occurrences_and_stays_bounded():
     from vllm_ptd.ptd.suffix_index import SuffixIndex
 
-    idx = SuffixIndex(max_match=2, min_match=1, max_occurrences=3)
-    idx.extend([7, 1] * 10 + [7])
+    idx = SuffixIndex(max_match=2, min_match=2, max_occurrences=3)
+    idx.extend([7, 1, 5] * 10 + [7, 1])
     m = idx.continuations(depth=1)
     assert m.length == 2 and m.root.count == 3  # only the 3 most recent occurrences
-    assert max(len(v) for v in idx._after.values()) == 4  # the suffix itself + 3
+    idx.extend([3, 4] * 500)
+    assert max(len(v) for v in idx._ends.values()) <= 2 * SuffixIndex.SCAN
+    assert idx.nbytes() < 200 * len(idx)
 
 
 def test_candidates_merge_suffix_and_pool_with_scores_and_groups():
@@ -560,3 +562,32 @@ def test_select_reindexes_verify_and_draft_nodes():
     assert s.tokens == [7, 8] and s.parents == [-1, 0] and s.num_verify == 0
     with pytest.raises(ValueError, match="without its parent"):
         t.select([1], 0)
+
+
+def test_engine_pool_bound_shrinks_the_coldest_requests_first():
+    from vllm_ptd.method import StepOutcome
+
+    rng = random.Random(5)
+    cfg = PTDConfig(engine_pool_nodes=6000, pool_max_nodes=100_000).resolved("cpu")
+    m = PTDMethod(cfg, [0])
+    prompts = {f"r{i}": [rng.randrange(1, 3000) for _ in range(600)] for i in range(8)}
+    for rid, p in prompts.items():
+        m.start(rid, p)
+        assert m.pool_nodes() <= cfg.engine_pool_nodes
+    # r7 just started and decodes on: it keeps its pool, the oldest ones gave theirs up
+    for _ in range(3):
+        tree = m.propose(["r7"], [5])[0]
+        m.observe(["r7"], [StepOutcome(tree, 6, [6] * tree.num_nodes, [], [6])])
+    assert m.state("r7").pool.total > m.state("r0").pool.total
+    assert m.pool_nodes() <= cfg.engine_pool_nodes
+    assert m.nbytes() > 0
+
+
+def test_pool_shrink_frees_oldest_keys():
+    pool = CandidatePool(60, 10_000)
+    for k in range(10):
+        pool.insert_path(k, [k + 100, k + 200])
+    assert pool.total == 20
+    freed = pool.shrink(5)
+    assert freed >= 5 and 0 not in pool and 9 in pool
+    pool.check()

@@ -218,6 +218,14 @@ class CandidatePool:
                 return True
         return False
 
+    def shrink(self, nodes: int) -> int:
+        """Free at least ``nodes`` nodes (or all), least recently written keys first; returns
+        how many were freed. For a bound on memory across many pools."""
+        before = self.total
+        while self._keys and before - self.total < nodes:
+            self._drop_key(next(iter(self._keys)))
+        return before - self.total
+
     def _drop_key(self, key: int) -> None:
         root = self._keys.pop(key)
         self.total -= self._free_subtree(root) - 1

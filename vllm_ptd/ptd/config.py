@@ -26,6 +26,10 @@ class PTDConfig:
     max_verify_nodes: int | None = None  # candidate-tree rows per step; None: device default
     pool_key_nodes: int = 60            # node cap of one key's trie (oldest branch evicted)
     pool_max_nodes: int = 200_000       # node cap of the whole pool (oldest key evicted)
+    # node cap of all requests' pools together (about 200 bytes a node): beyond it the pools
+    # of the requests that decoded least recently shrink, so memory stays bounded at any
+    # number of concurrent requests
+    engine_pool_nodes: int = 1_000_000
     seeding: str = "random"             # "random" prompt tokens or "entity"-like tokens
     num_seeds: int = 2
     pool_from_prompt: bool = True       # put the prompt's n-grams in the pool
@@ -49,6 +53,7 @@ class PTDConfig:
                 check_int(name, v, 0 if name == "max_draft_nodes" else 1, 512)
         check_int("pool_key_nodes", self.pool_key_nodes, 1, 100_000)
         check_int("pool_max_nodes", self.pool_max_nodes, 1, 100_000_000)
+        check_int("engine_pool_nodes", self.engine_pool_nodes, 1, 1_000_000_000)
         check_choice("seeding", self.seeding, ("random", "entity"))
         check_int("num_seeds", self.num_seeds, 0, 64)
         check_bool("pool_from_prompt", self.pool_from_prompt)
@@ -58,7 +63,7 @@ class PTDConfig:
         check_int("seed", self.seed, 0, 2**31 - 1)
         check_choice("match", self.match, MATCH_MODES)
         check_int("max_match", self.max_match, 1, 32)
-        check_int("min_match", self.min_match, 1, 32)
+        check_int("min_match", self.min_match, 2, 32)
         if self.min_match > self.max_match:
             raise ValueError(f"speculative_config['min_match'] = {self.min_match} exceeds "
                              f"speculative_config['max_match'] = {self.max_match}")

@@ -40,7 +40,7 @@ class PTDRequest:
     """One request's PTD state."""
 
     __slots__ = ("req_id", "draft", "pool", "rng", "text", "prompt_len", "last",
-                 "expected_last", "steps")
+                 "expected_last", "steps", "seen")
 
     def __init__(self, req_id: str, draft: DraftTree, pool: CandidatePool,
                  rng: random.Random, text: SuffixIndex, prompt_len: int) -> None:
@@ -53,6 +53,7 @@ class PTDRequest:
         self.last: int | None = None           # root token of the last proposal
         self.expected_last: int | None = None  # last committed token seen by observe
         self.steps = 0
+        self.seen = 0  # the method's step counter when this request last decoded
 
     @property
     def history(self) -> list[int]:
@@ -88,6 +89,7 @@ class PTDMethod(TreeMethod[PTDRequest]):
         self.causal = config.draft_attention == "causal"
         self.draft_hits = 0.0  # draft-only candidates accepted, over all requests
         self.draft_rows = 0.0  # draft rows that ran
+        self._clock = 0        # observe calls, for the coldest-pool order
 
     @property
     def max_tree_nodes(self) -> int:
@@ -107,6 +109,8 @@ class PTDMethod(TreeMethod[PTDRequest]):
             pool.insert_ngrams(prompt, self.ngram)
         self._refill(st)
         self._requests[req_id] = st
+        st.seen = self._clock
+        self._bound_pools()
 
     def state(self, req_id: str) -> PTDRequest:
         return self._requests[req_id]
@@ -152,7 +156,9 @@ class PTDMethod(TreeMethod[PTDRequest]):
                 # mismatch means the engine committed something observe did not see
                 self._commit(st, [last])
                 st.expected_last = last
-            match = st.text.continuations(self.ngram) if suffix else None
+            # as deep as the tree may be: a long earlier match (code, quoted text) is often
+            # followed by a long run of the same tokens
+            match = st.text.continuations(c.max_verify_nodes) if suffix else None
             cand = build_candidates(st.pool, last, match, c.max_verify_nodes)
             groups = [DRAFT_GROUP if d else g for g, d in zip(cand.groups, cand.draft_only)]
             tree = st.draft.to_flat((cand.tokens, cand.parents), causal=self.causal)
@@ -162,12 +168,35 @@ class PTDMethod(TreeMethod[PTDRequest]):
             out.append(tree)
         return out
 
+    def pool_nodes(self) -> int:
+        return sum(st.pool.total for st in self._requests.values())
+
+    def _bound_pools(self) -> None:
+        """Keep all pools together under ``engine_pool_nodes``: the requests that decoded
+        least recently give up their least recently written keys first, down to 90 % of the
+        cap (so the bound is not hit again at once)."""
+        cap = self.config.engine_pool_nodes
+        total = self.pool_nodes()
+        if total <= cap:
+            return
+        excess = total - int(0.9 * cap)
+        for st in sorted(self._requests.values(), key=lambda s: s.seen):
+            excess -= st.pool.shrink(excess)
+            if excess <= 0:
+                break
+
+    def nbytes(self) -> int:
+        """About how much memory all requests' state holds."""
+        return sum(st.nbytes() for st in self._requests.values())
+
     def observe(self, req_ids: list[str], outcomes: list[StepOutcome]) -> None:
+        self._clock += 1
         for req_id, oc in zip(req_ids, outcomes):
             st = self._requests.get(req_id)
             if st is None:
                 continue
             st.steps += 1
+            st.seen = self._clock
             st.pool.tick()
             tree = oc.tree
             nv = tree.num_verify
@@ -191,3 +220,4 @@ class PTDMethod(TreeMethod[PTDRequest]):
             if oc.committed:
                 st.expected_last = int(oc.committed[-1])
             st.last = None
+        self._bound_pools()

@@ -5,15 +5,14 @@ committed text instead (as n-gram and suffix decoding do) finds continuations th
 more often right: after the 6 tokens ``def reverse_string(s):\\n`` the text that followed
 them last time is a far better guess than anything that ever followed ``\\n``.
 
-``SuffixIndex`` keeps, for every n-gram of the request's committed tokens (n = 1 ..
-``max_match``), the positions right after its most recent ``max_occurrences`` occurrences.
-``continuations`` looks up the longest suffix of length >= ``min_match`` that occurred
-before and merges what followed its occurrences into a small trie with counts. Cost per
-committed token: ``max_match`` dictionary updates; memory: at most ``max_match`` entries per
-token, each list capped.
+``SuffixIndex.continuations`` finds the longest suffix (at least ``min_match`` tokens) that
+occurred before and merges what followed its most recent occurrences into a small trie with
+counts. Cost per committed token: one dictionary update; per lookup: at most ``SCAN``
+backward comparisons of at most ``max_match`` tokens.
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 
@@ -33,64 +32,83 @@ class SuffixMatch:
 
 
 class SuffixIndex:
+    """The committed tokens, with the end positions of every bigram's most recent
+    occurrences: the longest earlier match of the current suffix is found from the
+    occurrences of its last two tokens by comparing backwards (at most ``max_match`` tokens
+    each). Memory: the tokens, one position per token and one dictionary entry per distinct
+    bigram (about 100 bytes a token at worst, against a kilobyte for a table of every
+    n-gram)."""
+
+    SCAN = 64  # most recent occurrences of the last bigram compared per lookup
+
     def __init__(self, max_match: int = 8, min_match: int = 2, max_occurrences: int = 8) -> None:
-        if not 1 <= min_match <= max_match:
-            raise ValueError(f"suffix match lengths: need 1 <= min {min_match} <= max {max_match}")
+        if not 2 <= min_match <= max_match:
+            raise ValueError(f"suffix match lengths: need 2 <= min {min_match} <= max {max_match}")
         self.max_match = max_match
         self.min_match = min_match
         self.max_occurrences = max_occurrences
         self.tokens: list[int] = []
-        self._after: dict[tuple[int, ...], list[int]] = {}
+        self._ends: dict[int, array] = {}  # bigram (a << 32 | b) -> end positions, oldest first
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def extend(self, tokens) -> None:
-        """Append committed tokens; index every n-gram that ends at one of them."""
-        # one more than max_occurrences: the newest occurrence is often the suffix itself
-        toks, after, cap = self.tokens, self._after, self.max_occurrences + 1
+        """Append committed tokens; index the bigram that ends at each."""
+        toks, ends = self.tokens, self._ends
         for t in tokens:
             toks.append(int(t))
-            end = len(toks)
-            for n in range(1, min(self.max_match, end) + 1):
-                key = tuple(toks[end - n:])
-                occ = after.get(key)
-                if occ is None:
-                    after[key] = [end]
-                else:
-                    occ.append(end)
-                    if len(occ) > cap:
-                        del occ[0]
+            n = len(toks)
+            if n < 2:
+                continue
+            key = (toks[-2] << 32) | toks[-1]
+            occ = ends.get(key)
+            if occ is None:
+                ends[key] = array("i", [n])
+            else:
+                occ.append(n)
+                if len(occ) > 2 * self.SCAN:  # bounded: keep the most recent
+                    del occ[: len(occ) - self.SCAN]
 
     def continuations(self, depth: int) -> SuffixMatch | None:
-        """The longest suffix (>= ``min_match`` tokens) seen before, with a trie of the
-        (up to ``depth``-token) continuations of its earlier occurrences; None if none."""
+        """The longest suffix (``min_match`` .. ``max_match`` tokens) seen before, with a trie
+        of the (up to ``depth``-token) continuations of its most recent ``max_occurrences``
+        occurrences; None if there is none."""
         toks = self.tokens
         end = len(toks)
-        for n in range(min(self.max_match, end), self.min_match - 1, -1):
-            occ = self._after.get(tuple(toks[end - n:]))
-            # the last occurrence is the suffix itself: nothing follows it yet
-            starts = [p for p in occ if p < end] if occ else []
-            if not starts:
+        if end < 2:
+            return None
+        occ = self._ends.get((toks[-2] << 32) | toks[-1])
+        if occ is None or len(occ) < 2:
+            return None
+        best, found = 0, []
+        for p in reversed(occ[-self.SCAN - 1:]):
+            if p >= end:
+                continue  # the suffix itself: nothing follows it yet
+            n = 2
+            while n < self.max_match and p - n - 1 >= 0 and toks[p - n - 1] == toks[end - n - 1]:
+                n += 1
+            if n > best:
+                best, found = n, [p]
+            elif n == best and len(found) < self.max_occurrences:
+                found.append(p)
+        if best < self.min_match:
+            return None
+        root = SuffixTrieNode(token=-1)
+        for p in found:
+            cont = toks[p: min(p + depth, end)]
+            if not cont:
                 continue
-            root = SuffixTrieNode(token=-1)
-            for p in starts:
-                cont = toks[p: min(p + depth, end)]
-                if not cont:
-                    continue
-                root.count += 1
-                node = root
-                for t in cont:
-                    child = node.children.get(t)
-                    if child is None:
-                        child = node.children[t] = SuffixTrieNode(token=t)
-                    child.count += 1
-                    node = child
-            if root.count:
-                return SuffixMatch(length=n, root=root)
-        return None
+            root.count += 1
+            node = root
+            for t in cont:
+                child = node.children.get(t)
+                if child is None:
+                    child = node.children[t] = SuffixTrieNode(token=t)
+                child.count += 1
+                node = child
+        return SuffixMatch(length=best, root=root) if root.count else None
 
     def nbytes(self) -> int:
-        """A rough size of the index (for memory accounting): 8 bytes a token, about 100
-        bytes an n-gram entry plus 8 a stored position."""
-        return 8 * len(self.tokens) + sum(100 + 8 * len(v) for v in self._after.values())
+        """About how much memory the index holds (for memory accounting)."""
+        return 8 * len(self.tokens) + sum(140 + 4 * len(v) for v in self._ends.values())
