@@ -435,7 +435,11 @@ def test_method_lifecycle_and_batching(tmp_path):
                                       committed=[1])])
     m.observe(["a"], [StepOutcome(tree=trees[0], root_argmax=0, node_argmax=[], accepted=[0],
                                   committed=[1, 2], hidden=rows(2, 5).view(2, 3, D).transpose(0, 1))])
+    # observed rows join the drafter's context when the request next drafts
+    assert m._requests["a"].pending and m._requests["a"].ctx.next_position == 5
+    m.propose(["a", "c"], [2, 9])
     assert m._requests["a"].ctx.next_position == 7 and m._requests["c"].ctx.next_position == 12
+    assert not m._requests["a"].pending
     assert m.num_requests() == 3 and m.has("b")
     m.finish("b")
     m.finish("nope")

@@ -88,11 +88,17 @@ def resolve_drafter_path(model: str | None, target_config: Any) -> Path:
     raise ValueError(f"no PCTree drafter for this target{why}: {_TRAIN_HINT}")
 
 
+PENDING_FLUSH_ROWS = 256  # bound on rows waiting for the drafter's context
+
+
 class _Request:
-    __slots__ = ("ctx",)
+    __slots__ = ("ctx", "pending")
 
     def __init__(self, ctx: DraftContext):
         self.ctx = ctx
+        # hidden rows observed but not yet in the drafter's context: added in one call when
+        # the request next drafts (steps without drafting then cost no drafter work)
+        self.pending: list[torch.Tensor] = []
 
 
 class PCTreeMethod(TreeMethod[_Request]):
@@ -167,6 +173,14 @@ class PCTreeMethod(TreeMethod[_Request]):
             if rows.shape[0] != want:
                 raise ValueError(f"request {rid!r}: StepOutcome.hidden has {rows.shape[0]} rows, "
                                  f"expected {want} (root + {len(out.accepted)} accepted)")
+            st.pending.append(rows)
+            if sum(r.shape[0] for r in st.pending) >= PENDING_FLUSH_ROWS:
+                self._flush(st)
+
+    def _flush(self, st: _Request) -> None:
+        if st.pending:
+            rows = torch.cat(st.pending) if len(st.pending) > 1 else st.pending[0]
+            st.pending = []
             self.drafter.append_context(st.ctx, rows)
 
     @torch.no_grad()
@@ -178,6 +192,8 @@ class PCTreeMethod(TreeMethod[_Request]):
         c = self.config
         if not live or c.max_nodes < 2 or c.depth == 0:
             return out
+        for i in live:
+            self._flush(self._requests[req_ids[i]])
         ctxs = [self._requests[req_ids[i]].ctx for i in live]
         roots = [int(last_tokens[i]) for i in live]
         U, h = self.drafter.draft_block(ctxs, roots)
