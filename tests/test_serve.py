@@ -125,3 +125,27 @@ def test_metrics_show_spec_decode_counters(server):
     assert value("vllm:spec_decode_num_drafts_total") > 0
     assert value("vllm:spec_decode_num_draft_tokens_total") > 0
     assert value("vllm:spec_decode_num_accepted_tokens_total") >= 0
+
+
+# ---------------------------------------------------------------------------- refused configs
+@pytest.mark.parametrize("spec,expect", [
+    ('{"method": "pctree", "mode": "chain", "branching": 8}', "'branching'] = 8"),
+    ('{"method": "ptd", "widht": 4}', "unknown key 'widht'"),
+    ('{"method": "ptd", "width": 4,}', "not valid JSON: Expecting property name enclosed in "
+                                        "double quotes at line 1 column 30 (character 29)"),
+    ("NOT_A_DRAFTER", "a DeepSpec DSpark checkpoint"),
+])
+def test_serve_refuses_bad_config_with_one_line(model_path, tmp_path, spec, expect):
+    if spec == "NOT_A_DRAFTER":
+        (tmp_path / "config.json").write_text("{}")
+        spec = json.dumps({"method": "pctree", "model": str(tmp_path)})
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    out = subprocess.run([sys.executable, "-m", "vllm_ptd.cli", "serve", model_path,
+                          "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
+                          "--speculative-config", spec],
+                         capture_output=True, text=True, env=env, timeout=240)
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("vllm-ptd: error:")]
+    assert len(errors) == 1 and expect in errors[0], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]

@@ -212,6 +212,18 @@ def _start_loop(args, pending, loading, ready, failed, log_dir, trace_dir, say) 
                     s.stop()
 
 
+async def stream_chunks(resp):
+    """The JSON objects of an OpenAI streaming response (``data:`` lines), up to ``[DONE]``."""
+    async for raw in resp.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
+
+
 async def _one_request(session, server: Server, ids: list[int], max_tokens: int) -> dict:
     payload = {"model": server.model_id, "prompt": ids, "max_tokens": max_tokens,
                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
@@ -224,14 +236,7 @@ async def _one_request(session, server: Server, ids: list[int], max_tokens: int)
             if resp.status != 200:
                 error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
             else:
-                async for raw in resp.content:
-                    line = raw.strip()
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        break
-                    obj = json.loads(data)
+                async for obj in stream_chunks(resp):
                     now = time.perf_counter()
                     if obj.get("usage"):
                         usage = obj["usage"]
