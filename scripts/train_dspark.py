@@ -257,7 +257,7 @@ def dspark_loss(logits, labels, valid, top_ids, top_p, gamma, ce_alpha, l1_alpha
 
 
 def batch_for(seq: dict, B: int, n_anchors: int, rng: random.Random):
-    ids, P, T = seq["ids"], seq["prompt_len"], len(seq["ids"])
+    P, T = seq["prompt_len"], len(seq["ids"])
     cand = list(range(P, T - 1))  # anchor a and label a+1 both generated
     if not cand:
         return None
@@ -465,7 +465,6 @@ def main(argv=None) -> int:
             if bt is None:
                 continue
             a, valid, top_ids, top_p = bt
-            T = len(seq["ids"])
             full_ids = seq["ids"].unsqueeze(0)
             rows = seq["rows"].float()  # positions 0..T-2; position T-1 is never context
             rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])]).unsqueeze(0)

@@ -8,7 +8,7 @@ the integration maps these onto vLLM's own config.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 # Keys of vLLM's own speculative config that may sit beside ours in the same dict.

@@ -30,7 +30,6 @@ Where the files are looked for (the layout is that of ``shared/data``:
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import os
 import random
