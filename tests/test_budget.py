@@ -149,3 +149,36 @@ def test_tree_budget_cuts_trees_and_pauses_drafting_that_does_not_pay():
     while not budget.should_draft():
         paused += 1
     assert paused == 2
+
+
+def test_host_time_per_tree_is_learnt_and_charged(tmp_path):
+    """Each request that carries a tree costs host work of its own (drafting, walks, tree-row
+    attention): the model learns it from steps with and without trees, and a tree that pays
+    for its rows but not for that is not sent."""
+    cost = linear_cost(50.0, 1.0, overhead=2.0)     # rows nearly free
+    for _ in range(20):
+        cost.observe(9, 58.0, 2.0 + 4 * 6.0, trees=4)  # four trees: 6 ms each on the host
+    assert cost.overhead_ms == pytest.approx(2.0)
+    assert cost.per_tree_ms == pytest.approx(6.0, rel=0.05)
+    assert cost.step_ms(9, trees=4) == pytest.approx(2.0 + 24.0 + 58.0, rel=0.01)
+    # one node at 10 %: 0.1 token for 1 ms of rows pays, but not with 6 ms of host work
+    no_host = linear_cost(50.0, 1.0, overhead=2.0)
+    assert allocate([[0.1]], [[-1]], [0.0], [0], 1, 1, no_host).verify == [[0]]
+    assert allocate([[0.1]], [[-1]], [0.0], [0], 1, 1, cost).verify == [[]]
+    # a sure chain still pays for it
+    assert allocate([[1.0, 1.0]], [[-1, 0]], [0.0], [0], 1, 1, cost).verify == [[0, 1]]
+    cost.save(tmp_path / "cost.json")  # kept with the curve
+    assert StepCostModel(path=tmp_path / "cost.json").per_tree_ms == pytest.approx(
+        cost.per_tree_ms)
+
+
+
+def test_a_tree_that_only_just_pays_on_paper_is_not_sent():
+    from vllm_ptd.budget import MARGIN
+
+    cost = linear_cost(100.0, 1.0)
+    # expected rate gain of this node: (1 + p) / (100 + 1) against 1 / 100
+    p_edge = (1 + MARGIN / 2) * 101 / 100 - 1
+    assert allocate([[p_edge]], [[-1]], [0.0], [0], 1, 1, cost).verify == [[]]
+    p_clear = (1 + 2 * MARGIN) * 101 / 100 - 1
+    assert allocate([[p_clear]], [[-1]], [0.0], [0], 1, 1, cost).verify == [[0]]

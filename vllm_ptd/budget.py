@@ -2,20 +2,26 @@
 and acceptance estimates calibrated on outcomes. No vLLM import.
 
 A step of a batch of B decoding requests commits B tokens (each request's bonus) plus the
-accepted tree nodes, and costs ``overhead + forward(rows)``, rows = the step's other rows +
-the tree nodes. So with node i accepted with probability p_i, a step with the nodes S runs at
+accepted tree nodes, and costs ``overhead + T * per_tree + forward(rows)``: rows = the step's
+other rows + the tree nodes, T = the requests that carry a tree (each costs host work of its
+own: drafting, verification, the tree-row attention). So with node i accepted with
+probability p_i, a step with the nodes S runs at
 
-    tokens per ms  =  (B + sum_{i in S} p_i) / (overhead + forward(base_rows + |S|))
+    tokens per ms  =  (B + sum_{i in S} p_i) / (overhead + T(S) * per_tree
+                                                + forward(base_rows + |S|))
 
 ``allocate`` picks S to maximise that: the nodes of all requests ranked by p, and the
 count that maximises the ratio (possibly 0: no tree pays, and the step runs as plain
-decoding). Because p never rises from parent to child, the best nodes of a request always
-include their parents. Draft rows (PTD) enter with the value the method estimates for them.
+decoding). Trees are sent only when that rate beats plain decoding's by ``MARGIN``: the
+estimates are averages, and a tree that only just pays on paper can lose in fact (and in an
+offline batch a step lasts as long as its slowest request needs). Because p never rises from
+parent to child, the best nodes of a request always include their parents. Draft rows (PTD)
+enter with the value the method estimates for them.
 
-``StepCostModel`` learns ``forward(rows)`` and ``overhead`` from the engine's own steps
-(exponential averages per row count; counts not seen yet are interpolated, starting from a
-prior slope), and can be saved and loaded per machine and model, so a new engine starts
-from what the last one measured. ``AcceptanceModel`` turns each method's own estimate of a
+``StepCostModel`` learns ``forward(rows)``, the ``overhead`` of a step without trees and the
+extra host time ``per_tree`` from the engine's own steps (exponential averages; row counts
+not seen yet are interpolated, starting from a prior slope), and can be saved and loaded per
+machine and model, so a new engine starts from what the last one measured. ``AcceptanceModel`` turns each method's own estimate of a
 node (its ``score``, in a ``group``) into a calibrated one: how often nodes of that group
 and score bin were accepted, in this request and over all requests.
 """
@@ -30,6 +36,8 @@ from pathlib import Path
 
 from vllm_ptd.tree import FlatTree
 
+# a tree is sent only when its expected tokens per ms beat plain decoding's by this share
+MARGIN = 0.03
 # bins of a method's own conditional score (the probability it gives a node given its parent)
 SCORE_BINS = (0.1, 0.25, 0.5, 0.75, 0.9)
 
@@ -125,7 +133,8 @@ class StepCostModel:
         self.prior_slope = prior_slope
         self.path = Path(path) if path is not None else None
         self.rows: dict[int, _Stat] = {}
-        self.overhead = _Stat(0.0, 0)
+        self.overhead = _Stat(0.0, 0)   # host ms of a step without trees
+        self.per_tree = _Stat(0.0, 0)   # extra host ms per request that carries a tree
         self.samples = 0
         if self.path is not None and self.path.is_file():
             self.load(self.path)
@@ -139,20 +148,28 @@ class StepCostModel:
         step = 1 << max(0, int(math.log2(rows)) - 3)
         return (rows // step) * step
 
-    def observe(self, rows: int, forward_ms: float, overhead_ms: float | None = None) -> None:
+    @classmethod
+    def _average(cls, st: _Stat, value: float) -> None:
+        a = max(cls.EMA, 1.0 / (st.n + 1))
+        st.ms = value if st.n == 0 else st.ms + a * (value - st.ms)
+        st.n += 1
+
+    def observe(self, rows: int, forward_ms: float, overhead_ms: float | None = None,
+                trees: int = 0) -> None:
+        """One step: its rows, forward ms, host ms around the forward (None: unknown) and
+        how many of its requests carried a tree."""
         b = self.bucket(rows)
         st = self.rows.get(b)
         if st is None:
             self.rows[b] = _Stat(forward_ms, 1)
         else:
-            a = max(self.EMA, 1.0 / (st.n + 1))
-            st.ms += a * (forward_ms - st.ms)
-            st.n += 1
+            self._average(st, forward_ms)
         if overhead_ms is not None and overhead_ms >= 0:
-            o = self.overhead
-            a = max(self.EMA, 1.0 / (o.n + 1))
-            o.ms = overhead_ms if o.n == 0 else o.ms + a * (overhead_ms - o.ms)
-            o.n += 1
+            if trees <= 0:
+                self._average(self.overhead, overhead_ms)
+            elif self.overhead.n > 0:
+                self._average(self.per_tree,
+                              max(0.0, (overhead_ms - self.overhead.ms) / trees))
         self.samples += 1
 
     # ---- estimates ----------------------------------------------------------------------
@@ -186,7 +203,7 @@ class StepCostModel:
         return m0 + (m1 - m0) * (rows - b0) / (b1 - b0)
 
     def step_ms_range(self, lo: int, hi: int) -> list[float]:
-        """``overhead + forward(rows)`` for rows = lo .. hi."""
+        """``overhead + forward(rows)`` for rows = lo .. hi (no per-tree host time)."""
         known = self._known()
         return [self.overhead.ms + self.forward_ms(r, known) for r in range(lo, hi + 1)]
 
@@ -194,8 +211,12 @@ class StepCostModel:
     def overhead_ms(self) -> float:
         return self.overhead.ms
 
-    def step_ms(self, rows: int) -> float:
-        return self.overhead.ms + self.forward_ms(rows)
+    @property
+    def per_tree_ms(self) -> float:
+        return self.per_tree.ms
+
+    def step_ms(self, rows: int, trees: int = 0) -> float:
+        return self.overhead.ms + trees * self.per_tree.ms + self.forward_ms(rows)
 
     # ---- persistence --------------------------------------------------------------------
     def save(self, path: str | os.PathLike | None = None) -> None:
@@ -204,7 +225,8 @@ class StepCostModel:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         data = {"rows": {str(b): [s.ms, s.n] for b, s in sorted(self.rows.items())},
-                "overhead": [self.overhead.ms, self.overhead.n]}
+                "overhead": [self.overhead.ms, self.overhead.n],
+                "per_tree": [self.per_tree.ms, self.per_tree.n]}
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(data))
         os.replace(tmp, path)
@@ -218,8 +240,11 @@ class StepCostModel:
                          for b, (ms, n) in data["rows"].items()}
             ms, n = data["overhead"]
             self.overhead = _Stat(float(ms), min(int(n), self.MIN_SAMPLES))
+            ms, n = data.get("per_tree", (0.0, 0))
+            self.per_tree = _Stat(float(ms), min(int(n), self.MIN_SAMPLES))
         except (OSError, ValueError, KeyError, TypeError):
-            self.rows, self.overhead = {}, _Stat(0.0, 0)  # a broken cache is no cache
+            # a broken cache is no cache
+            self.rows, self.overhead, self.per_tree = {}, _Stat(0.0, 0), _Stat(0.0, 0)
 
 
 @dataclass
@@ -241,7 +266,8 @@ def allocate(values: list[list[float]], parents: list[list[int]], draft_values: 
     ``draft_caps[r]`` rows; ``base_rows``: the step's rows besides tree nodes (one root per
     decoding request, and any prefill rows); ``num_requests``: the bonus tokens.
     ``drafting_ms``: what making the trees cost this step (already spent; ``pays`` says
-    whether the chosen trees beat plain decoding without it)."""
+    whether the chosen trees beat plain decoding with it counted). The cost model's
+    overheads leave drafting out: it is charged here, where it is known."""
     items: list[tuple[float, int, int, int, int]] = []  # (-value, depth, request, kind, index)
     for r, vals in enumerate(values):
         depth: list[int] = []
@@ -253,12 +279,17 @@ def allocate(values: list[list[float]], parents: list[list[int]], draft_values: 
             items.append((-draft_values[r], 1_000 + j, r, 1, j))  # after equal-valued nodes
     items.sort()
     step_ms = cost.step_ms_range(base_rows, base_rows + len(items))
-    best_k, best_rate, gain = 0, num_requests / step_ms[0], 0.0
+    plain_rate = num_requests / step_ms[0]
+    best_k, best_rate, gain = 0, plain_rate, 0.0
+    with_tree: set[int] = set()
     for k, it in enumerate(items, start=1):
         gain += -it[0]
-        rate = (num_requests + gain) / step_ms[k]
+        with_tree.add(it[2])
+        rate = (num_requests + gain) / (step_ms[k] + len(with_tree) * cost.per_tree_ms)
         if rate > best_rate:
             best_k, best_rate = k, rate
+    if best_rate < plain_rate * (1.0 + MARGIN):
+        best_k, best_rate = 0, plain_rate
     keep_v: list[list[int]] = [[] for _ in values]
     keep_d = [0] * len(values)
     total = 0.0
@@ -274,9 +305,11 @@ def allocate(values: list[list[float]], parents: list[list[int]], draft_values: 
         # keep the set closed under parents all the same (values from outside may tie oddly)
         have = set(kept)
         keep_v[r] = [i for i in kept if all_ancestors_in(parents[r], i, have)]
-    plain_rate = num_requests / max(step_ms[0] - drafting_ms, 1e-9)
-    return Allocation(keep_v, keep_d, num_requests + total, base_rows + best_k,
-                      pays=best_k > 0 and best_rate > plain_rate)
+    # drafting was spent this step either way; ``pays``: the trees beat plain decoding with
+    # their drafting counted, so drafting is worth running again next step
+    pays = best_k > 0 and (num_requests + total) / (
+        (num_requests + total) / best_rate + drafting_ms) > plain_rate
+    return Allocation(keep_v, keep_d, num_requests + total, base_rows + best_k, pays=pays)
 
 
 def all_ancestors_in(parents: list[int], i: int, have: set[int]) -> bool:

@@ -129,9 +129,12 @@ class SpecMetrics:
 
     def summary(self) -> str:
         """One log line."""
+        share = self.accepted / self.verify_rows if self.verify_rows else 0.0
         return (f"steps={self.steps} tokens={self.committed} DE={self.decoding_efficiency:.3f} "
                 f"HR={self.hit_rate:.3f} AL={self.accept_length:.3f} "
-                f"Dft/Ver={self.draft_per_step:.1f}/{self.verify_per_step:.1f}")
+                f"Dft/Ver={self.draft_per_step:.1f}/{self.verify_per_step:.1f} "
+                f"accepted={self.accepted}/{self.verify_rows} verify nodes ({share:.1%}) "
+                f"draft_rows={self.draft_rows}")
 
 
 class MetricsByRequest:

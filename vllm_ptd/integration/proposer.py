@@ -269,6 +269,7 @@ class TreeProposer:
             trees = self._shared_trees(trees)
         step = build_step(req_ids, batch_idx, trees, starts, ctx, self.runner.positions)
         step.proposed_nodes = proposed
+        self.clock.set_trees(len(trees))
         self.channel.open(step)
 
     def _shared_trees(self, trees: list[FlatTree]) -> list[FlatTree]:
@@ -288,9 +289,11 @@ class TreeProposer:
         if record is None:
             return
         if self.budget is not None and record["forward_ms"] > 0:
-            overhead = record["wall_ms"] - record["forward_ms"]
+            # drafting is charged by the budget where it is known, not as step overhead
+            overhead = record["wall_ms"] - record["forward_ms"] - record["drafting_ms"]
             self.budget.cost.observe(record["rows"], record["forward_ms"],
-                                     overhead if overhead < IDLE_GAP_MS else None)
+                                     overhead if overhead < IDLE_GAP_MS else None,
+                                     trees=record["trees"])
             if self.budget.cost.samples % SAVE_COST_EVERY_STEPS == 0:
                 self.budget.cost.save()
         if self.trace is not None:
