@@ -68,7 +68,11 @@ def test_suffix_baseline_is_skipped_with_a_note_when_missing(monkeypatch, capsys
     monkeypatch.setattr(methods, "suffix_available", lambda: True)
     (suffix,) = [m for m in methods.parse_methods("suffix:suffix_decoding_max_tree_depth=16")
                  if m.name == "suffix"]
-    assert suffix.spec == {"method": "suffix", "suffix_decoding_max_tree_depth": 16}
+    # its cross-request cache is off unless asked for (repeats would read earlier outputs)
+    assert suffix.spec == {"method": "suffix", "suffix_decoding_max_tree_depth": 16,
+                           "suffix_decoding_max_cached_requests": 0}
+    (cached,) = methods.parse_methods("suffix:suffix_decoding_max_cached_requests=100")[1:]
+    assert cached.spec["suffix_decoding_max_cached_requests"] == 100
 
 
 def test_trace_reader_splits_request_and_step_records(tmp_path):

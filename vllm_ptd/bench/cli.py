@@ -22,7 +22,10 @@ Methods (``--methods``, comma separated; ``name:key=value:...``):
   ptd[:key=value...]         {"method": "ptd", key: value, ...}     (vllm_ptd.ptd.config.PTDConfig)
   pctree[:key=value...]      {"method": "pctree", key: value, ...}  (vllm_ptd.pctree.config)
   suffix[:key=value...]      vLLM's suffix decoding (needs arctic-inference: scripts/setup.sh
-                             --with-suffix; skipped with a note when it is missing)
+                             --with-suffix; skipped with a note when it is missing), with
+                             its global cache of earlier responses off
+                             (suffix_decoding_max_cached_requests=0): repeats would
+                             otherwise be served from the previous repeat's outputs
 A method whose engine fails to start (e.g. PCTree before its drafter exists) is skipped with
 the reason; the others run. Engine logs go to OUT/logs/<method>.log.
 

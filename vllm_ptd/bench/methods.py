@@ -7,6 +7,8 @@ from dataclasses import dataclass
 # Five engines: what 24 GiB holds in fp32 with room for batch 16 (see memory.check_memory).
 DEFAULT_METHODS = "none,ngram:6,ptd,pctree:mode=chain,pctree"
 
+# suffix decoding without its cross-request cache (see parse_method)
+SUFFIX_DEFAULTS = {"suffix_decoding_max_cached_requests": 0}
 # vLLM's own example (examples/offline_inference/spec_decode.py) uses these lookup sizes.
 NGRAM_DEFAULTS = {"prompt_lookup_min": 2, "prompt_lookup_max": 5}
 
@@ -71,8 +73,12 @@ def parse_method(text: str) -> Method:
         spec.update(_key_values(rest, label))
         return Method(label, "ngram", spec)
     if name == "suffix":
-        # vLLM's suffix decoding (Arctic Inference) with its own defaults; keys override
-        return Method(label, "suffix", {"method": "suffix", **_key_values(parts[1:], label)})
+        # vLLM's suffix decoding (Arctic Inference) with its own defaults except its global
+        # cache of earlier responses: a benchmark repeats its prompts, and the cache would
+        # serve every repeat after the first from the outputs of the one before. Off, it
+        # uses the request's own prompt and output, as PTD and ngram do. Keys override.
+        return Method(label, "suffix", {"method": "suffix", **SUFFIX_DEFAULTS,
+                                        **_key_values(parts[1:], label)})
     if name in method_names():
         spec = {"method": name, **_key_values(parts[1:], label)}
         from vllm_ptd.config import parse_speculative_config

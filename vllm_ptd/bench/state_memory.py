@@ -1,0 +1,99 @@
+"""Memory of PTD's per-request drafting state, measured (no vLLM, no model).
+
+  python scripts/bench_state_memory.py --requests 1,64,512 --gen-tokens 512
+
+Each request starts with a benchmark prompt (chat template applied) and then commits
+``--gen-tokens`` tokens, one step at a time, as a decoding engine would: every step it
+proposes a tree, and the outcome commits the next token of a text (another prompt, so the
+text is real but not a copy of the request's own) and grows the draft tree from arbitrary
+argmax tokens. Reported per configuration: Python heap bytes per request (``tracemalloc``,
+the state's true size), the method's own estimate (``PTDMethod.nbytes``), and the nodes all
+pools hold against the engine-wide cap ``engine_pool_nodes``.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import tracemalloc
+
+from vllm_ptd.bench.methods import int_list
+
+
+def _texts(model: str, n: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from vllm_ptd.datasets import chat_prompt_ids, load_prompts
+
+    tok = AutoTokenizer.from_pretrained(model)
+    out = []
+    for name in ("mt_bench", "gsm8k", "humaneval", "mbpp"):
+        out += [chat_prompt_ids(tok, p.text) for p in load_prompts(name, max(1, n // 4 + 1))]
+    return out
+
+
+def measure(config, texts: list[list[int]], requests: int, gen_tokens: int,
+            seed: int = 0) -> dict:
+    from vllm_ptd.method import StepOutcome
+    from vllm_ptd.ptd.method import PTDMethod
+
+    rng = random.Random(seed)
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    m = PTDMethod(config, [2])
+    ids = [f"r{i}" for i in range(requests)]
+    streams = []
+    for i, rid in enumerate(ids):
+        m.start(rid, texts[i % len(texts)])
+        # what the request "generates": other prompts' tokens, end to end
+        stream: list[int] = []
+        k = i + 1
+        while len(stream) < gen_tokens + 1:
+            stream += texts[k % len(texts)]
+            k += 1
+        streams.append(stream)
+    for step in range(gen_tokens):
+        trees = m.propose(ids, [s[step] for s in streams])
+        m.observe(ids, [StepOutcome(tree, s[step + 1],
+                                    [rng.randrange(1, 49152) for _ in range(tree.num_nodes)],
+                                    [], [s[step + 1]]) for tree, s in zip(trees, streams)])
+    gc.collect()
+    heap = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    return {"requests": requests, "gen_tokens": gen_tokens,
+            "heap_bytes_per_request": heap / requests,
+            "estimate_bytes_per_request": m.nbytes() / requests,
+            "pool_nodes": m.pool_nodes(), "engine_pool_nodes": config.engine_pool_nodes}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from vllm_ptd.model_store import default_model_path
+    from vllm_ptd.ptd.config import PTDConfig
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--requests", type=int_list, default=[1, 64, 512])
+    ap.add_argument("--gen-tokens", type=int, default=512)
+    ap.add_argument("--engine-pool-nodes", type=int, default=None,
+                    help="the engine-wide pool cap (default: PTDConfig's)")
+    ap.add_argument("--out", default=None, help="JSON file for the records")
+    args = ap.parse_args(argv)
+    opts = {} if args.engine_pool_nodes is None else {"engine_pool_nodes": args.engine_pool_nodes}
+    config = PTDConfig(**opts).resolved("cpu")
+    texts = _texts(default_model_path(), max(args.requests))
+    print("| requests | generated tokens | heap KiB / request | estimate KiB / request | "
+          "pool nodes (cap) |\n|---|---|---|---|---|")
+    records = []
+    for n in args.requests:
+        r = measure(config, texts, n, args.gen_tokens)
+        records.append(r)
+        print(f"| {n} | {r['gen_tokens']} | {r['heap_bytes_per_request'] / 1024:.0f} | "
+              f"{r['estimate_bytes_per_request'] / 1024:.0f} | {r['pool_nodes']} "
+              f"({r['engine_pool_nodes']}) |", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0
