@@ -93,3 +93,28 @@ def in_process_engines(trace_path=None, **extra_env):
 
             if hasattr(envs.__getattr__, "cache_clear"):
                 envs.__getattr__.cache_clear()
+
+
+def save_random_drafter(target_path: str, out, target_layer_ids: list[int]) -> str:
+    """A random-init one-layer DSpark drafter (block size 4) for the target at
+    ``target_path``, saved in ``out``: PCTree's whole path runs, its trees are rarely
+    accepted."""
+    import torch
+    from transformers import AutoConfig
+
+    from vllm_ptd.pctree.checkpoint import save_drafter
+    from vllm_ptd.pctree.drafter import DSparkConfig, DSparkDrafter
+
+    target = AutoConfig.from_pretrained(target_path).to_dict()
+    cfg = DSparkConfig.for_target(target, num_layers=1, block_size=4,
+                                  target_layer_ids=target_layer_ids, mask_token_id=0,
+                                  markov_rank=16, markov_head_type="vanilla",
+                                  enable_confidence_head=False, confidence_head_with_markov=False,
+                                  shared_embeddings=True)
+    drafter = DSparkDrafter(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    save_drafter(drafter, out)
+    return str(out)

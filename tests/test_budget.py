@@ -2,6 +2,7 @@
 and the drafting pause. Pure Python, no engine."""
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -182,3 +183,19 @@ def test_a_tree_that_only_just_pays_on_paper_is_not_sent():
     assert allocate([[p_edge]], [[-1]], [0.0], [0], 1, 1, cost).verify == [[]]
     p_clear = (1 + 2 * MARGIN) * 101 / 100 - 1
     assert allocate([[p_clear]], [[-1]], [0.0], [0], 1, 1, cost).verify == [[0]]
+
+
+def test_expensive_drafting_that_fails_is_paused_to_a_small_share_of_the_time():
+    cost = linear_cost(50.0, 8.0)
+    budget = TreeBudget(cost)
+    hopeless = FlatTree([1], [-1], scores=[0.01], groups=[0])
+    # drafting as dear as a step: one failed try, then about 1 / EXPLORE_SHARE steps without
+    budget.size(["r"], [hopeless], base_rows=1, num_requests=1, drafting_ms=50.0)
+    paused = 0
+    while not budget.should_draft():
+        paused += 1
+    assert paused == math.ceil(1 / TreeBudget.EXPLORE_SHARE) - 1
+    # cheap drafting is tried again at once (until MISSES misses in a row)
+    budget = TreeBudget(cost)
+    budget.size(["r"], [hopeless], base_rows=1, num_requests=1, drafting_ms=0.2)
+    assert budget.should_draft()

@@ -7,8 +7,7 @@ bf16 flips at near-ties).
 from __future__ import annotations
 
 import pytest
-import torch
-from engine_utils import in_process_engines
+from engine_utils import in_process_engines, save_random_drafter
 from engine_utils import shutdown as _shutdown
 
 pytest.importorskip("vllm")
@@ -54,24 +53,8 @@ def plain(model_path, prompts):
 
 @pytest.fixture(scope="module")
 def random_drafter(tmp_path_factory, model_path):
-    from transformers import AutoConfig
-
-    from vllm_ptd.pctree.checkpoint import save_drafter
-    from vllm_ptd.pctree.drafter import DSparkConfig, DSparkDrafter
-
-    target = AutoConfig.from_pretrained(model_path).to_dict()
-    cfg = DSparkConfig.for_target(target, num_layers=1, block_size=4, target_layer_ids=[1, 15, 27],
-                                  mask_token_id=0, markov_rank=16, markov_head_type="vanilla",
-                                  enable_confidence_head=False, confidence_head_with_markov=False,
-                                  shared_embeddings=True)
-    drafter = DSparkDrafter(cfg)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    path = tmp_path_factory.mktemp("drafter") / "random"
-    save_drafter(drafter, path)
-    return str(path)
+    return save_random_drafter(model_path, tmp_path_factory.mktemp("drafter") / "random",
+                               [1, 15, 27])
 
 
 def test_random_drafter_is_lossless(model_path, prompts, plain, random_drafter):

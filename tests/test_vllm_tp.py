@@ -19,7 +19,7 @@ import json
 import os
 
 import pytest
-from engine_utils import shutdown
+from engine_utils import save_random_drafter, shutdown
 
 pytest.importorskip("vllm")
 
@@ -50,25 +50,7 @@ def tp_model(tmp_path_factory, model_path):
 
 @pytest.fixture(scope="module")
 def tp_drafter(tmp_path_factory, tp_model):
-    import torch
-    from transformers import AutoConfig
-
-    from vllm_ptd.pctree.checkpoint import save_drafter
-    from vllm_ptd.pctree.drafter import DSparkConfig, DSparkDrafter
-
-    target = AutoConfig.from_pretrained(tp_model).to_dict()
-    cfg = DSparkConfig.for_target(target, num_layers=1, block_size=4, target_layer_ids=[0, 1],
-                                  mask_token_id=0, markov_rank=16, markov_head_type="vanilla",
-                                  enable_confidence_head=False, confidence_head_with_markov=False,
-                                  shared_embeddings=True)
-    drafter = DSparkDrafter(cfg)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    path = tmp_path_factory.mktemp("tp_drafter") / "random"
-    save_drafter(drafter, path)
-    return str(path)
+    return save_random_drafter(tp_model, tmp_path_factory.mktemp("tp_drafter") / "random", [0, 1])
 
 
 @pytest.fixture(scope="module")

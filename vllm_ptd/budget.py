@@ -323,12 +323,21 @@ def all_ancestors_in(parents: list[int], i: int, have: set[int]) -> bool:
 
 class TreeBudget:
     """Sizes a step's trees (``size``) and decides whether drafting is worth running at all
-    (``should_draft``): after ``MISSES`` proposals in a row whose trees did not beat plain
-    decoding (drafting cost included), drafting pauses for 2, 4, ... up to ``MAX_PAUSE``
-    steps, then tries again, as n-gram drafting sends nothing when nothing matches."""
+    (``should_draft``), as n-gram drafting sends nothing when nothing matches. A proposal
+    whose trees do not beat plain decoding (drafting cost included) is a miss:
+
+    * every miss pauses drafting long enough that failed drafting costs at most
+      ``EXPLORE_SHARE`` of the engine's time (a drafter that costs as much as a step, like
+      PCTree's on a CPU, then tries once in about 30 steps; PTD's drafting, a fraction of a
+      millisecond, is never paused for this);
+    * after ``MISSES`` misses in a row drafting also pauses for 2, 4, ... up to
+      ``MAX_PAUSE`` steps.
+
+    A proposal that pays ends both."""
 
     MISSES = 4
     MAX_PAUSE = 64
+    EXPLORE_SHARE = 0.03
 
     def __init__(self, cost: StepCostModel, acceptance: AcceptanceModel | None = None) -> None:
         self.cost = cost
@@ -344,6 +353,15 @@ class TreeBudget:
             return False
         return True
 
+    def _missed(self, drafting_ms: float, base_rows: int) -> None:
+        plain_ms = max(self.cost.step_ms(base_rows), 1e-6)
+        self._skip = max(0, math.ceil(drafting_ms / (self.EXPLORE_SHARE * plain_ms)) - 1)
+        self._misses += 1
+        if self._misses >= self.MISSES:
+            self._misses = 0
+            self._skip = max(self._skip, self._pause)
+            self._pause = min(2 * self._pause, self.MAX_PAUSE)
+
     def size(self, req_ids: list[str], trees: list[FlatTree], base_rows: int,
              num_requests: int, drafting_ms: float = 0.0) -> list[FlatTree]:
         values = [self.acceptance.unconditional(r, t) for r, t in zip(req_ids, trees)]
@@ -356,11 +374,7 @@ class TreeBudget:
         if alloc.pays:
             self._misses, self._pause = 0, 1
         else:
-            self._misses += 1
-            if self._misses >= self.MISSES:
-                self._misses = 0
-                self._skip = self._pause
-                self._pause = min(2 * self._pause, self.MAX_PAUSE)
+            self._missed(drafting_ms, base_rows)
         return [t.select(v, d) for t, v, d in zip(trees, alloc.verify, alloc.draft)]
 
     def observe(self, req_id: str, tree: FlatTree, accepted: list[int]) -> None:
