@@ -170,6 +170,12 @@ def test_context_window_bounds_state():
     assert c.capacity <= 64
     U, _ = dr.draft_block(c, 1)
     assert torch.isfinite(U).all()
+    # a window wider than the first allocation grows its buffers up to the window, not past it
+    c = dr.new_context(max_rows=100)
+    r = rows(300, 4)
+    for s in range(0, 300, 7):
+        dr.append_context(c, r[s: s + 7], s)
+    assert c.length == 100 and c.capacity == 100
 
 
 # ---------------------------------------------------------------------------------------

@@ -441,6 +441,8 @@ class DraftContext:
         if need <= self.capacity:
             return
         cap = max(need, 2 * self.capacity)
+        if self.max_rows is not None:  # never more room than the window can use
+            cap = max(need, min(cap, self.max_rows))
         for bufs in (self.k, self.v):
             for i, old in enumerate(bufs):
                 new = old.new_empty(old.shape[0], cap, old.shape[2])
