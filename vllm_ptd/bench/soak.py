@@ -5,7 +5,8 @@ disconnecting mid-stream, round after round, on loopback only.
       --max-tokens 64 --out results/soak_ptd
 
 It starts ``vllm-ptd serve`` for the method and one for plain decoding (the reference
-outputs), both on 127.0.0.1. Each round sends ``--requests`` prompts (default: 2 per client)
+outputs), both on 127.0.0.1 (``--method none`` soaks plain decoding itself, with one server:
+the memory baseline to read a method's figures against). Each round sends ``--requests`` prompts (default: 2 per client)
 from ``--clients`` concurrent clients; a client marked to abort closes its connection after
 ``--abort-after`` streamed chunks. After each round it waits for the server to have no
 request running or waiting, then records:
@@ -179,12 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [p["ids"] for d in datasets for p in by[d]]
     method = parse_method(args.method)
     plain = parse_method("none")
-    servers, failed = start_servers(args, [plain, method], out)
+    # --method none soaks plain decoding itself (the memory baseline for the tree methods):
+    # one server gives the reference outputs and then takes the rounds
+    baseline = method.label == plain.label
+    servers, failed = start_servers(args, [plain] if baseline else [plain, method], out)
     if failed:
         for s in servers:
             s.stop()
         raise SystemExit(f"[soak] servers failed to start: {failed}")
-    ref_server, server = servers
+    ref_server, server = servers[0], servers[-1]
     rng = random.Random(args.seed)
     rounds = []
     try:
@@ -192,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         ref = asyncio.run(run_round(ref_server, [(i, p, None) for i, p in enumerate(prompts)],
                                     4, args.max_tokens, args.round_timeout))
         ref_text = [r["text"] for r in ref]
-        ref_server.stop()
+        if not baseline:
+            ref_server.stop()
         for r in range(args.rounds):
             jobs = []
             for k in range(nreq):
