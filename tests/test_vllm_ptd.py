@@ -92,7 +92,13 @@ def plain(engine_env, model_path, work):
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for _, p, _ in jobs],
                             [SamplingParams(temperature=0, max_tokens=n) for _, _, n in jobs],
                             use_tqdm=False)
-        return {key: list(o.outputs[0].token_ids) for (key, _, _), o in zip(jobs, outs)}
+        got = {key: list(o.outputs[0].token_ids) for (key, _, _), o in zip(jobs, outs)}
+        # a request asking for logprobs: its tokens and top-2 logprobs per output token
+        lp = llm.generate([TokensPrompt(prompt_token_ids=work["code"][2])],
+                          SamplingParams(temperature=0, max_tokens=32, logprobs=2),
+                          use_tqdm=False)[0].outputs[0]
+        got[("logprobs", 0)] = (list(lp.token_ids), lp.logprobs)
+        return got
     finally:
         _shutdown(llm)
 
@@ -279,6 +285,33 @@ class TestPTD:
         with_trees = {t["req"] for t in trace}
         assert outs[first].request_id not in with_trees
         assert with_trees, "no tree even after the batch shrank"
+
+    def test_logprobs_request_beside_trees_keeps_its_logprobs(self, llm, engine_env, plain,
+                                                              work):
+        """A request asking for logprobs decodes without a tree, in steps where other
+        requests verify trees: it gets plain decoding's tokens and a logprobs entry for every
+        token (the verify step passes vLLM's own logprobs rows through)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        engine_env.mark()
+        prompts = [work["code"][2], work["code"][0], work["mixed"][1], work["mixed"][2]]
+        params = [SamplingParams(temperature=0, max_tokens=32, logprobs=2)] + \
+            [SamplingParams(temperature=0, max_tokens=32)] * 3
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                            use_tqdm=False)
+        trace = engine_env.since_mark()
+        _flush(llm)
+        assert trace, "no tree verified beside the logprobs request"
+        assert outs[0].request_id not in {t["req"] for t in trace}
+        want_tokens, want_lp = plain[("logprobs", 0)]
+        got = outs[0].outputs[0]
+        assert list(got.token_ids) == want_tokens
+        assert got.logprobs is not None and len(got.logprobs) == len(want_tokens)
+        for i, (g, w) in enumerate(zip(got.logprobs, want_lp)):
+            assert set(g) == set(w), f"token {i}: top logprob ids differ"
+            for tok in w:
+                assert abs(g[tok].logprob - w[tok].logprob) < 1e-3, f"token {i}"
 
     def test_abort_mid_generation(self, llm, plain, work):
         from vllm import SamplingParams

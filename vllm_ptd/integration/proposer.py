@@ -319,7 +319,7 @@ class TreeProposer:
         sm = self.runner.input_batch.sampling_metadata
         num_draft = np.asarray(spec_meta.num_draft_tokens, dtype=np.int64)
         out = np.full((len(num_draft), int(num_draft.max()) + 1), -1, dtype=np.int32)
-        self._sample_untreed(logits, spec_meta, orig_sample, step, sm, out)
+        logprobs = self._sample_untreed(logits, spec_meta, orig_sample, step, sm, out)
         # logits row of each request's root: requests own num_draft + 1 consecutive rows
         logits_start = np.cumsum(num_draft + 1) - (num_draft + 1)
         root_rows = logits_start[step.batch_indices]
@@ -330,21 +330,25 @@ class TreeProposer:
         self._record(step, argmax, walks)
         move_kv(step, *accepted_kv_moves(step, [accepted for accepted, _ in walks]))
         return SamplerOutput(sampled_token_ids=torch.from_numpy(out).to(logits.device),
-                             logprobs_tensors=None)
+                             logprobs_tensors=logprobs)
 
     @staticmethod
-    def _sample_untreed(logits, spec_meta, orig_sample, step: TreeStep, sm, out: np.ndarray) -> None:
-        """Requests without a tree go through vLLM's own sampler, unchanged. It also draws
-        for the tree requests (as chains); their seeded generators are kept untouched."""
+    def _sample_untreed(logits, spec_meta, orig_sample, step: TreeStep, sm, out: np.ndarray):
+        """Requests without a tree go through vLLM's own sampler, unchanged, and so do their
+        logprobs: returned in vLLM's layout (one row per request and output column), the
+        step's ``logprobs_tensors``. The sampler also draws for the tree requests (as
+        chains); their seeded generators are kept untouched, and their logprobs rows are
+        never read (a request that asks for logprobs gets no tree)."""
         tree_b = set(step.batch_indices)
-        if len(tree_b) == out.shape[0]:
-            return
+        if len(tree_b) == out.shape[0] and sm.max_num_logprobs is None:
+            return None
         saved = {b: sm.generators[b].get_state() for b in step.batch_indices if b in sm.generators}
-        theirs = orig_sample(logits.clone(), spec_meta).sampled_token_ids
+        theirs = orig_sample(logits.clone(), spec_meta)
         for b, state in saved.items():
             sm.generators[b].set_state(state)
         keep = [b for b in range(out.shape[0]) if b not in tree_b]
-        out[keep] = theirs[keep, : out.shape[1]].cpu().numpy()
+        out[keep] = theirs.sampled_token_ids[keep, : out.shape[1]].cpu().numpy()
+        return theirs.logprobs_tensors
 
     @staticmethod
     def _tree_argmax(logits: torch.Tensor, step: TreeStep, root_rows: np.ndarray) -> torch.Tensor:
