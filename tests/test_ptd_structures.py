@@ -591,3 +591,15 @@ def test_pool_shrink_frees_oldest_keys():
     freed = pool.shrink(5)
     assert freed >= 5 and 0 not in pool and 9 in pool
     pool.check()
+
+
+def test_finished_requests_leave_no_heap_behind():
+    """Rounds of requests that start, decode and finish (a server's rounds of clients): the
+    heap PTD keeps after a round does not grow round over round."""
+    from vllm_ptd.bench.state_memory import measure_churn
+
+    rng = random.Random(5)
+    texts = [[rng.randrange(3, 400) for _ in range(rng.randrange(40, 120))] for _ in range(12)]
+    left = measure_churn(PTDConfig().resolved("cpu"), texts, requests=6, gen_tokens=24,
+                         rounds=5)
+    assert max(left[1:]) <= left[0] + 8 * 1024, left

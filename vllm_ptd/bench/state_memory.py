@@ -1,6 +1,7 @@
 """Memory of PTD's per-request drafting state, measured (no vLLM, no model).
 
   python scripts/bench_state_memory.py --requests 1,64,512 --gen-tokens 512
+  python scripts/bench_state_memory.py --requests 32 --gen-tokens 64 --churn-rounds 8
 
 Each request starts with a benchmark prompt (chat template applied) and then commits
 ``--gen-tokens`` tokens, one step at a time, as a decoding engine would: every step it
@@ -68,6 +69,44 @@ def measure(config, texts: list[list[int]], requests: int, gen_tokens: int,
             "pool_nodes": m.pool_nodes(), "engine_pool_nodes": config.engine_pool_nodes}
 
 
+def measure_churn(config, texts: list[list[int]], requests: int, gen_tokens: int,
+                  rounds: int, seed: int = 0) -> list[int]:
+    """Rounds of ``requests`` requests that start, decode ``gen_tokens`` tokens and finish,
+    as a server's rounds of clients; the method's heap bytes left after each round (what a
+    leak of per-request state would grow)."""
+    from vllm_ptd.method import StepOutcome
+    from vllm_ptd.ptd.method import PTDMethod
+
+    rng = random.Random(seed)
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    m = PTDMethod(config, [2])
+    left = []
+    for rnd in range(rounds):
+        ids = [f"round{rnd}-{i}" for i in range(requests)]
+        streams = []
+        for i, rid in enumerate(ids):
+            m.start(rid, texts[(rnd + i) % len(texts)])
+            stream: list[int] = []
+            k = rnd + i + 1
+            while len(stream) < gen_tokens + 1:
+                stream += texts[k % len(texts)]
+                k += 1
+            streams.append(stream)
+        for step in range(gen_tokens):
+            trees = m.propose(ids, [s[step] for s in streams])
+            m.observe(ids, [StepOutcome(tree, s[step + 1],
+                                        [rng.randrange(1, 49152) for _ in range(tree.num_nodes)],
+                                        [], [s[step + 1]]) for tree, s in zip(trees, streams)])
+        for rid in ids:
+            m.finish(rid)
+        gc.collect()
+        left.append(tracemalloc.get_traced_memory()[0] - base)
+    tracemalloc.stop()
+    return left
+
+
 def main(argv: list[str] | None = None) -> int:
     from vllm_ptd.model_store import default_model_path
     from vllm_ptd.ptd.config import PTDConfig
@@ -79,11 +118,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen-tokens", type=int, default=512)
     ap.add_argument("--engine-pool-nodes", type=int, default=None,
                     help="the engine-wide pool cap (default: PTDConfig's)")
+    ap.add_argument("--churn-rounds", type=int, default=0,
+                    help="instead: this many rounds of --requests requests that start, decode "
+                         "and finish; the heap left after each round")
     ap.add_argument("--out", default=None, help="JSON file for the records")
     args = ap.parse_args(argv)
     opts = {} if args.engine_pool_nodes is None else {"engine_pool_nodes": args.engine_pool_nodes}
     config = PTDConfig(**opts).resolved("cpu")
     texts = _texts(default_model_path(), max(args.requests))
+    if args.churn_rounds:
+        left = measure_churn(config, texts, args.requests[0], args.gen_tokens, args.churn_rounds)
+        print("| round | heap KiB left after the round |\n|---|---|")
+        for rnd, b in enumerate(left, start=1):
+            print(f"| {rnd} | {b / 1024:.0f} |")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"requests": args.requests[0], "gen_tokens": args.gen_tokens,
+                           "heap_bytes_after_round": left}, f, indent=1)
+        return 0
     print("| requests | generated tokens | heap KiB / request | estimate KiB / request | "
           "pool nodes (cap) |\n|---|---|---|---|---|")
     records = []
