@@ -5,11 +5,11 @@ disconnecting mid-stream, round after round, on loopback only.
       --max-tokens 64 --out results/soak_ptd
 
 It starts ``vllm-ptd serve`` for the method and one for plain decoding (the reference
-outputs), both on 127.0.0.1 (``--method none`` soaks plain decoding itself, with one server:
-the memory baseline to read a method's figures against). Each round sends ``--requests`` prompts (default: 2 per client)
-from ``--clients`` concurrent clients; a client marked to abort closes its connection after
-``--abort-after`` streamed chunks. After each round it waits for the server to have no
-request running or waiting, then records:
+outputs), both on 127.0.0.1 (``--method none`` soaks plain decoding itself, with one
+server: the memory baseline to read a method's figures against). Each round sends
+``--requests`` prompts (default: 2 per client) from ``--clients`` concurrent clients; a
+client marked to abort closes its connection after ``--abort-after`` streamed chunks. After
+each round it waits for the server to have no request running or waiting, then records:
 
 * errors: non-200 answers and failed requests that were not aborted on purpose;
 * identical: finished (not aborted) outputs equal to plain decoding's for the same prompt

@@ -34,23 +34,18 @@ def _texts(model: str, n: int) -> list[list[int]]:
     return out
 
 
-def measure(config, texts: list[list[int]], requests: int, gen_tokens: int,
-            seed: int = 0) -> dict:
+def _decode(m, ids: list[str], texts: list[list[int]], first: int, gen_tokens: int,
+            rng: random.Random) -> None:
+    """Start ``ids`` on texts from index ``first`` on and decode ``gen_tokens`` steps: each
+    step proposes a tree and commits the next token of what the request "generates" (other
+    prompts' tokens, end to end), growing the draft tree from arbitrary argmax tokens."""
     from vllm_ptd.method import StepOutcome
-    from vllm_ptd.ptd.method import PTDMethod
 
-    rng = random.Random(seed)
-    gc.collect()
-    tracemalloc.start()
-    base = tracemalloc.get_traced_memory()[0]
-    m = PTDMethod(config, [2])
-    ids = [f"r{i}" for i in range(requests)]
     streams = []
     for i, rid in enumerate(ids):
-        m.start(rid, texts[i % len(texts)])
-        # what the request "generates": other prompts' tokens, end to end
+        m.start(rid, texts[(first + i) % len(texts)])
         stream: list[int] = []
-        k = i + 1
+        k = first + i + 1
         while len(stream) < gen_tokens + 1:
             stream += texts[k % len(texts)]
             k += 1
@@ -60,6 +55,17 @@ def measure(config, texts: list[list[int]], requests: int, gen_tokens: int,
         m.observe(ids, [StepOutcome(tree, s[step + 1],
                                     [rng.randrange(1, 49152) for _ in range(tree.num_nodes)],
                                     [], [s[step + 1]]) for tree, s in zip(trees, streams)])
+
+
+def measure(config, texts: list[list[int]], requests: int, gen_tokens: int,
+            seed: int = 0) -> dict:
+    from vllm_ptd.ptd.method import PTDMethod
+
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    m = PTDMethod(config, [2])
+    _decode(m, [f"r{i}" for i in range(requests)], texts, 0, gen_tokens, random.Random(seed))
     gc.collect()
     heap = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
@@ -74,7 +80,6 @@ def measure_churn(config, texts: list[list[int]], requests: int, gen_tokens: int
     """Rounds of ``requests`` requests that start, decode ``gen_tokens`` tokens and finish,
     as a server's rounds of clients; the method's heap bytes left after each round (what a
     leak of per-request state would grow)."""
-    from vllm_ptd.method import StepOutcome
     from vllm_ptd.ptd.method import PTDMethod
 
     rng = random.Random(seed)
@@ -85,20 +90,7 @@ def measure_churn(config, texts: list[list[int]], requests: int, gen_tokens: int
     left = []
     for rnd in range(rounds):
         ids = [f"round{rnd}-{i}" for i in range(requests)]
-        streams = []
-        for i, rid in enumerate(ids):
-            m.start(rid, texts[(rnd + i) % len(texts)])
-            stream: list[int] = []
-            k = rnd + i + 1
-            while len(stream) < gen_tokens + 1:
-                stream += texts[k % len(texts)]
-                k += 1
-            streams.append(stream)
-        for step in range(gen_tokens):
-            trees = m.propose(ids, [s[step] for s in streams])
-            m.observe(ids, [StepOutcome(tree, s[step + 1],
-                                        [rng.randrange(1, 49152) for _ in range(tree.num_nodes)],
-                                        [], [s[step + 1]]) for tree, s in zip(trees, streams)])
+        _decode(m, ids, texts, rnd, gen_tokens, rng)
         for rid in ids:
             m.finish(rid)
         gc.collect()
