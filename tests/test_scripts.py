@@ -49,9 +49,9 @@ def test_memory_check_refuses_too_many_engines(monkeypatch):
 
 def test_replot_rebuilds_report_and_plots(tmp_path):
     pytest.importorskip("matplotlib")
-    src = REPO / "docs" / "results" / "batch1" / "results.json"
+    src = REPO / "docs" / "results" / "b1_compiled" / "results.json"
     shutil.copy(src, tmp_path / "results.json")
-    offline.replot(tmp_path / "results.json", str(REPO / "docs" / "results" / "rowcost" / "row_cost.json"))
+    offline.replot(tmp_path / "results.json", str(REPO / "docs" / "results" / "rowcost_compiled" / "row_cost.json"))
     md = (tmp_path / "results.md").read_text()
     data = json.loads(src.read_text())
     for label in data["meta"]["methods"]:
