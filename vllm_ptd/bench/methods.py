@@ -89,7 +89,10 @@ def parse_method(text: str) -> Method:
                      f"{', '.join(method_names())} with optional :key=value options")
 
 
-def parse_methods(text: str) -> list[Method]:
+def parse_methods(text: str, check_installed: bool = True) -> list[Method]:
+    """The methods of a comma-separated list, plain decoding first. ``check_installed``: drop
+    (with a note) those whose package is missing, as a run must; a report of an earlier run
+    keeps them all."""
     methods, seen = [], set()
     for item in text.split(","):
         if not item.strip():
@@ -99,7 +102,7 @@ def parse_methods(text: str) -> list[Method]:
             raise ValueError(f"method {m.label!r} given twice")
         seen.add(m.label)
         methods.append(m)
-    if any(m.name == "suffix" for m in methods) and not suffix_available():
+    if check_installed and any(m.name == "suffix" for m in methods) and not suffix_available():
         methods = [m for m in methods if m.name != "suffix"]
         print("[bench] skipping suffix: vLLM's suffix decoding needs the arctic-inference "
               "package (bash scripts/setup.sh --with-suffix)")

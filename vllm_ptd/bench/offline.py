@@ -30,7 +30,7 @@ def replot(results_json: Path, row_cost_json: str | None) -> None:
     """results.md and the PNG plots again, next to an earlier run's results.json."""
     data = json.loads(results_json.read_text())
     out = results_json.parent
-    methods = parse_methods(",".join(data["meta"]["methods"]))
+    methods = parse_methods(",".join(data["meta"]["methods"]), check_installed=False)
     md = markdown_report(data["aggregate"], data["meta"], methods, data["failed"])
     (out / "results.md").write_text(md + "\n")
     plots = make_plots(data["aggregate"], methods, data["failed"], out, row_cost_json)
