@@ -53,6 +53,7 @@ def test_ptd_bad_values_name_key_and_range(key, value, pattern):
     ("depth", 0, r"'depth'.*\[1, 64\]"),
     ("mode", "marginal", r"'mode'.*\['pctree', 'shared', 'chain'\]"),
     ("model", 3, r"'model'"),
+    ("drafter_dtype", "int8", r"'drafter_dtype'.*\['auto', 'float32', 'bfloat16', 'float16'\]"),
 ])
 def test_pctree_bad_values_name_key_and_range(key, value, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -76,6 +77,19 @@ def test_pctree_defaults_and_chain_mode():
     with pytest.raises(ValueError, match=r"'depth'\] = 9 exceeds the drafter's block size 7"):
         PCTreeConfig(depth=9).for_block_size(7)
     assert tree_node_bound(2, 3, 100) == 2 + 2 * 4  # k + (depth - 1) k^2
+
+
+def test_pctree_drafter_dtype(monkeypatch):
+    import torch
+    from vllm_ptd.pctree import config as pctree_config
+
+    c = PCTreeConfig()
+    assert PCTreeConfig(drafter_dtype="float32").drafter_torch_dtype(torch.bfloat16, "cpu") == torch.float32
+    monkeypatch.setattr(pctree_config, "cpu_has_fast_bf16", lambda: True)
+    assert c.drafter_torch_dtype(torch.float32, "cpu") == torch.bfloat16
+    assert c.drafter_torch_dtype(torch.float32, "cuda") == torch.float32  # the engine's elsewhere
+    monkeypatch.setattr(pctree_config, "cpu_has_fast_bf16", lambda: False)
+    assert c.drafter_torch_dtype(torch.float32, "cpu") == torch.float32
 
 
 def test_methods_are_found_by_name():

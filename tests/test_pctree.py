@@ -477,3 +477,33 @@ def test_markov_head_bias_is_low_rank_product():
     p = torch.tensor([[3, 5]])
     b = mh.bias(p)
     torch.testing.assert_close(b[0, 1], mh.markov_w2.weight @ mh.markov_w1.weight[5])
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "gated"])
+def test_engine_linear_kernel_keeps_drafts_and_parameter_names(kind):
+    """The drafter's layers on vLLM's prepacked CPU GEMM (what the engine gives it) draft
+    the same trees, and its state dict keeps DeepSpec's tensor names."""
+    pytest.importorskip("vllm")
+    from vllm_ptd.integration.proposer import engine_linear_kernel
+
+    make = engine_linear_kernel(torch.device("cpu"))
+    if make is None:
+        pytest.skip("this vLLM build has no oneDNN GEMM")
+    plain, fast = make_drafter(seed=3, kind=kind), make_drafter(seed=3, kind=kind)
+    names = list(plain.state_dict())
+    fast.use_linear_kernel(make)
+    assert list(fast.state_dict()) == names
+    assert not any(isinstance(m, torch.nn.Linear) for m in fast.modules())
+    outs = []
+    for dr in (plain, fast):
+        ctxs = []
+        for i, n in enumerate([4, 9]):
+            c = dr.new_context()
+            dr.append_context(c, rows(n, 20 + i), 0)
+            ctxs.append(c)
+        U, h = dr.draft_block(ctxs, [5, 8])
+        trees = expand_trees(U, [5, 8], markov=dr.markov_head, hidden=h, k=3, max_nodes=9)
+        outs.append((U, h, [(t.tokens, t.parents) for t in trees]))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-4, atol=1e-4)
+    assert outs[1][2] == outs[0][2]

@@ -98,6 +98,9 @@ class BuildContext:
     device: torch.device
     dtype: torch.dtype
     target_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None  # (embed, lm_head)
+    # the engine's GEMM for a fixed weight, ``make(weight, bias) -> fn(x)``, for a method's
+    # own layers (None: torch's)
+    linear_kernel: Callable[[torch.Tensor, torch.Tensor | None], Callable] | None = None
 
 
 @dataclass(frozen=True)

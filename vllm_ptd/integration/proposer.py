@@ -139,6 +139,27 @@ def move_kv(step: TreeStep, src_verify_rows: list[int], dst_rows: list[int]) -> 
                                  stash.slot_mapping[dst])
 
 
+
+def engine_linear_kernel(device: torch.device):
+    """The GEMM vLLM runs the target's linear layers with, for a method's own layers: on CPU,
+    vLLM's oneDNN GEMM over a weight prepacked once (``ops.create_onednn_mm``; torch's CPU
+    GEMM is several times slower at a drafter block's few rows); elsewhere None (torch's,
+    i.e. cuBLAS). Each prepared weight is a copy held by the method."""
+    if device.type != "cpu":
+        return None
+    try:
+        from vllm import _custom_ops as ops
+    except ImportError:
+        return None
+    if not getattr(ops, "_supports_onednn", False):
+        return None
+
+    def make(weight: torch.Tensor, bias: torch.Tensor | None):
+        handler = ops.create_onednn_mm(weight.t(), 32)
+        return lambda x: ops.onednn_mm(handler, x, bias)
+
+    return make
+
 class TreeProposer:
     def __init__(self, vllm_config) -> None:
         entry = (vllm_config.additional_config or {}).get("vllm_ptd")
@@ -212,7 +233,8 @@ class TreeProposer:
         ctx = BuildContext(target_config=self.model_config.hf_config,
                            eos_token_ids=_eos_ids(self.model_config),
                            tokenizer=self.model_config.tokenizer, device=embed.device,
-                           dtype=embed.dtype, target_embeddings=(embed, head))
+                           dtype=embed.dtype, target_embeddings=(embed, head),
+                           linear_kernel=engine_linear_kernel(embed.device))
         self.method = self.spec.build(self.options, ctx)
 
     def num_offered(self, req_id: str, sent: int) -> int:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,8 @@ __all__ = [
     "DSparkConfig",
     "DraftContext",
     "DSparkDrafter",
+    "KernelLinear",
+    "LinearKernelFactory",
     "MarkovHead",
     "hidden_layer_ids_from_target_layer_ids",
     "tap_hidden_states",
@@ -61,6 +63,27 @@ ARCHITECTURE = "Qwen3DSparkModel"
 SHARED_EMBEDDINGS_KEY = "vllm_ptd_shared_embeddings"
 
 _MARKOV_TYPES = ("vanilla", "gated")
+
+#: ``make(weight [out, in], bias [out] | None) -> fn(x [..., in]) -> [..., out]``: a matmul
+#: prepared once for a fixed weight (on CPU, vLLM's prepacked oneDNN GEMM).
+LinearKernelFactory = Callable[[torch.Tensor, "torch.Tensor | None"], Callable[[torch.Tensor], torch.Tensor]]
+
+
+class KernelLinear(nn.Module):
+    """An ``nn.Linear`` whose forward runs a prepared kernel. It keeps the layer's
+    ``weight`` / ``bias`` parameters under the same names (state dicts and the frozen
+    parameter list do not change) and only serves inference: the kernel reads a copy made
+    when it was prepared."""
+
+    def __init__(self, linear: nn.Linear, make: LinearKernelFactory):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self._kernel = make(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernel(x.contiguous())
 
 
 def hidden_layer_ids_from_target_layer_ids(target_layer_ids: Sequence[int]) -> tuple[int, ...]:
@@ -538,12 +561,25 @@ class DSparkDrafter(nn.Module):
         """Use the target's embedding / lm_head ``[V, d]`` (lm_head defaults to the embedding,
         i.e. tied). The tensors are shared, not copied, when dtype and device already match."""
         lm = embed if lm_head is None else lm_head
+        converted: dict[int, nn.Parameter] = {}  # tied weights converted once, still shared
         for name, mod, w in (("embed_tokens", self.embed_tokens, embed), ("lm_head", self.lm_head, lm)):
             if tuple(w.shape) != tuple(mod.weight.shape):
                 raise ValueError(f"target {name} has shape {tuple(w.shape)}, the drafter needs "
                                  f"{tuple(mod.weight.shape)}")
-            w = w.detach().to(dtype=self.dtype, device=self.device)
-            mod.weight = nn.Parameter(w, requires_grad=False)
+            if id(w) not in converted:
+                converted[id(w)] = nn.Parameter(w.detach().to(dtype=self.dtype, device=self.device),
+                                                requires_grad=False)
+            mod.weight = converted[id(w)]
+
+    def use_linear_kernel(self, make: LinearKernelFactory) -> None:
+        """Run every linear layer through ``make``'s kernel (inference only). Why: at the
+        block's few rows torch's CPU GEMM is several times slower than a prepacked one
+        (measured: the 49152-word output projection over 7 rows, 39 ms in torch against 6 ms
+        in vLLM's oneDNN GEMM, fp32, 2 cores), and the drafter runs every step."""
+        for parent in list(self.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, KernelLinear(child, make))
 
     # ---- context ----------------------------------------------------------------------
     def project_context(self, hidden_rows: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ import torch
 from vllm_ptd.method import StepOutcome, TreeMethod
 from vllm_ptd.pctree.checkpoint import check_drafter_fits, load_drafter, target_config_dict
 from vllm_ptd.pctree.config import PCTreeConfig
-from vllm_ptd.pctree.drafter import DraftContext, DSparkDrafter
+from vllm_ptd.pctree.drafter import DraftContext, DSparkDrafter, LinearKernelFactory
 from vllm_ptd.pctree.expand import expand_trees
 from vllm_ptd.tree import FlatTree
 
@@ -115,13 +115,16 @@ class PCTreeMethod(TreeMethod[_Request]):
       pair, or a dict); needed by compact drafters unless ``target_config`` names the
       target's folder.
     * ``drafter``: an already built :class:`DSparkDrafter` (skips loading; tests).
+    * ``linear_kernel``: the engine's matmul for fixed weights (see
+      :meth:`DSparkDrafter.use_linear_kernel`); None keeps torch's.
     """
 
     needs_hidden = True
 
     def __init__(self, config: PCTreeConfig, target_config: Any, target_embeddings: Any = None, *,
                  drafter: DSparkDrafter | None = None, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", max_context: int | None = 4096):
+                 device: str | torch.device = "cpu", max_context: int | None = 4096,
+                 linear_kernel: LinearKernelFactory | None = None):
         if not isinstance(config, PCTreeConfig):
             raise ValueError(f"PCTreeMethod needs a PCTreeConfig, got {type(config).__name__}")
         super().__init__()
@@ -133,6 +136,8 @@ class PCTreeMethod(TreeMethod[_Request]):
         else:
             self.drafter_path = None
         self.drafter = drafter.eval()
+        if linear_kernel is not None:
+            self.drafter.use_linear_kernel(linear_kernel)
         self.config = config.for_block_size(drafter.block_size)
         self.hidden_layer_ids = tuple(drafter.hidden_layer_ids)
         if max(self.hidden_layer_ids) > int(self.target_config["num_hidden_layers"]) - 1:
