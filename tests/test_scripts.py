@@ -92,3 +92,28 @@ def test_trace_reader_splits_request_and_step_records(tmp_path):
     assert pos < path.stat().st_size  # the partial line is read next time
     t = step_time_summary(steps + [{"rows": 1, "wall_ms": 5000.0}])  # an idle gap is left out
     assert t["steps"] == 1 and t["other"] == 40.0 - 30.0 - 1.0 - 3.0 - 0.5
+
+
+def test_serving_report_counts_engine_time_and_short_steps():
+    from vllm_ptd.bench.serving import report, summarize
+
+    def req(text):
+        return {"tokens": 4, "text": text, "error": None, "ttft": 0.1, "itl": [0.05], "tpot": 0.05}
+
+    steps = [{"rows": 4, "trees": 0, "wall_ms": 100.0, "forward_ms": 90.0},
+             {"rows": 3, "trees": 1, "wall_ms": 80.0, "forward_ms": 70.0, "verify_ms": 2.0,
+              "drafting_ms": 1.0},
+             {"rows": 1, "trees": 0, "wall_ms": 5000.0, "forward_ms": 10.0}]  # idle: left out
+    rounds = [{"label": "none", "clients": 4, "repeat": 0, "wall": 1.0, "requests": [req("a")]},
+              {"label": "ptd", "clients": 4, "repeat": 0, "wall": 1.0, "requests": [req("a")],
+               "trace": [], "steps": steps}]
+    rows = summarize(rounds, ["none", "ptd"], [4], 1)
+    by = {r["label"]: r for r in rows}
+    assert by["none"]["engine"] is None
+    e = by["ptd"]["engine"]
+    assert e["busy_s"] == pytest.approx(0.18) and e["forward_s"] == pytest.approx(0.16)
+    assert (e["steps"], e["tree_steps"], e["short_steps"]) == (2, 1, 1)
+    assert e["short_busy_s"] == pytest.approx(0.08)
+    md = report(rows, {"model": "m", "dtype": "float32", "max_tokens": 4, "num_requests": 1,
+                       "repeats": 1, "servers": ""}, {})
+    assert "| 4 | ptd | 0.18 | 0.16 | 0.00 | 0.00 | 2 | 1 | 1 (0.08) |" in md

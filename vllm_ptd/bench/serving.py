@@ -296,6 +296,29 @@ def _dist(xs: list[float]) -> dict:
             "p90": _pct(xs, 0.9), "n": len(xs)}
 
 
+def engine_time(rounds_steps: list[list[dict]], clients: int) -> dict | None:
+    """What the engine did per round, from the proposer's step clock (traced methods only):
+    seconds of steps (each under 1 s: longer gaps are the engine waiting), of forward,
+    verification and drafting, and how many steps ran with fewer rows than there are clients
+    (a client between two requests, or the round's tail: throughput lost to occupancy,
+    not to the step's own cost)."""
+    if not any(rounds_steps):
+        return None
+    n = len(rounds_steps)
+    steps = [s for rs in rounds_steps for s in rs if s.get("wall_ms", 0) < 1000]
+    if not steps:
+        return None
+
+    def seconds(key: str) -> float:
+        return sum(s.get(key, 0.0) for s in steps) / 1000 / n
+
+    return {"busy_s": seconds("wall_ms"), "forward_s": seconds("forward_ms"),
+            "verify_s": seconds("verify_ms"), "drafting_s": seconds("drafting_ms"),
+            "steps": len(steps) / n, "tree_steps": sum(1 for s in steps if s.get("trees")) / n,
+            "short_steps": sum(1 for s in steps if s["rows"] < clients) / n,
+            "short_busy_s": sum(s["wall_ms"] for s in steps if s["rows"] < clients) / 1000 / n}
+
+
 def summarize(rounds: list[dict], labels: list[str], client_counts: list[int],
               repeats: int) -> list[dict]:
     rows = []
@@ -336,7 +359,8 @@ def summarize(rounds: list[dict], labels: list[str], client_counts: list[int],
             trace = [row for r in mine for row in r.get("trace", [])]
             gen = sum(q["tokens"] or 0 for q in reqs)
             spec = spec_summary(trace, counters, gen, len(reqs)) if (trace or counters) else None
-            rows.append({"label": lab, "clients": c, "throughput": mean_sd(tput),
+            engine = engine_time([r.get("steps") or [] for r in mine], c)
+            rows.append({"label": lab, "clients": c, "throughput": mean_sd(tput), "engine": engine,
                          "speedup": mean_sd(speed), "ttft_ms": _dist([q["ttft"] for q in reqs]),
                          "itl_ms": _dist([g for q in reqs for g in q["itl"]]),
                          "tpot_ms": _dist([q["tpot"] for q in reqs]), "requests": len(reqs),
@@ -371,6 +395,18 @@ def report(rows: list[dict], meta: dict, failed: dict) -> str:
                  f"{d3(r['tpot_ms'])} | {f(s.get('DE')) if has else '—'} | "
                  f"{f(s.get('AL')) if has else '—'} | {f(s.get('HR')) if has else '—'} | "
                  f"{identical_cell(r)} | {r['errors']} |")
+    engine = [r for r in rows if r.get("engine")]
+    if engine:
+        L += ["", "Engine time per round, from the tree proposer's step clock (traced methods; "
+              "steps under 1 s): *busy* = the steps' wall time, *short steps* = steps with fewer "
+              "rows than clients (a client between requests, or the round's tail).", "",
+              "| clients | method | busy s | forward s | verification s | drafting s | steps | "
+              "with trees | short steps (s) |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in engine:
+            e = r["engine"]
+            L.append(f"| {r['clients']} | {r['label']} | {f(e['busy_s'])} | {f(e['forward_s'])} | "
+                     f"{f(e['verify_s'])} | {f(e['drafting_s'])} | {f(e['steps'], 0)} | "
+                     f"{f(e['tree_steps'], 0)} | {f(e['short_steps'], 0)} ({f(e['short_busy_s'])}) |")
     L.append("")
     return "\n".join(L)
 
