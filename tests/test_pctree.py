@@ -507,3 +507,16 @@ def test_engine_linear_kernel_keeps_drafts_and_parameter_names(kind):
     torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-4, atol=1e-4)
     assert outs[1][2] == outs[0][2]
+
+
+def test_tied_target_embeddings_are_converted_once():
+    """Two views of one tied embedding (as the engine passes them) become one tensor in the
+    drafter's dtype; untied ones stay apart."""
+    dr = make_drafter(shared=True)
+    tied = torch.randn(V + 4, D, dtype=torch.float64)
+    dr.set_target_embeddings(tied[:V], tied[:V])
+    assert dr.embed_tokens.weight is dr.lm_head.weight
+    assert dr.embed_tokens.weight.dtype == torch.float32
+    torch.testing.assert_close(dr.lm_head.weight, tied[:V].float())
+    dr.set_target_embeddings(torch.randn(V, D), torch.randn(V, D))
+    assert dr.embed_tokens.weight is not dr.lm_head.weight

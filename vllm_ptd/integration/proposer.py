@@ -139,7 +139,6 @@ def move_kv(step: TreeStep, src_verify_rows: list[int], dst_rows: list[int]) -> 
                                  stash.slot_mapping[dst])
 
 
-
 def engine_linear_kernel(device: torch.device):
     """The GEMM vLLM runs the target's linear layers with, for a method's own layers: on CPU,
     vLLM's oneDNN GEMM over a weight prepacked once (``ops.create_onednn_mm``; torch's CPU
@@ -159,6 +158,7 @@ def engine_linear_kernel(device: torch.device):
         return lambda x: ops.onednn_mm(handler, x, bias)
 
     return make
+
 
 class TreeProposer:
     def __init__(self, vllm_config) -> None:

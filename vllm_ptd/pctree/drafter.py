@@ -561,15 +561,18 @@ class DSparkDrafter(nn.Module):
         """Use the target's embedding / lm_head ``[V, d]`` (lm_head defaults to the embedding,
         i.e. tied). The tensors are shared, not copied, when dtype and device already match."""
         lm = embed if lm_head is None else lm_head
-        converted: dict[int, nn.Parameter] = {}  # tied weights converted once, still shared
+        # tied weights (the same memory, maybe two views of it) are converted once and stay
+        # shared
+        converted: dict[tuple, nn.Parameter] = {}
         for name, mod, w in (("embed_tokens", self.embed_tokens, embed), ("lm_head", self.lm_head, lm)):
             if tuple(w.shape) != tuple(mod.weight.shape):
                 raise ValueError(f"target {name} has shape {tuple(w.shape)}, the drafter needs "
                                  f"{tuple(mod.weight.shape)}")
-            if id(w) not in converted:
-                converted[id(w)] = nn.Parameter(w.detach().to(dtype=self.dtype, device=self.device),
-                                                requires_grad=False)
-            mod.weight = converted[id(w)]
+            key = (w.device, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype)
+            if key not in converted:
+                converted[key] = nn.Parameter(w.detach().to(dtype=self.dtype, device=self.device),
+                                              requires_grad=False)
+            mod.weight = converted[key]
 
     def use_linear_kernel(self, make: LinearKernelFactory) -> None:
         """Run every linear layer through ``make``'s kernel (inference only). Why: at the
