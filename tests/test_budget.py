@@ -199,3 +199,30 @@ def test_expensive_drafting_that_fails_is_paused_to_a_small_share_of_the_time():
     budget = TreeBudget(cost)
     budget.size(["r"], [hopeless], base_rows=1, num_requests=1, drafting_ms=0.2)
     assert budget.should_draft()
+
+
+def test_host_time_is_learnt_per_batch_size(tmp_path):
+    """Verifying a tree costs more host time in a batch of 16 than alone (the whole batch's
+    sampling and bookkeeping): learnt per batch size, a tree that pays alone is not sent
+    where its host time eats the gain, and the estimates are saved with the curve."""
+    cost = linear_cost(50.0, 1.0, overhead=2.0)
+    for _ in range(20):
+        cost.observe(1, 50.0, 2.0, trees=0, requests=1)              # alone: 2 ms host
+        cost.observe(2, 51.0, 2.0 + 0.5, trees=1, requests=1)        # alone: 0.5 ms a tree
+        cost.observe(16, 65.0, 7.0, trees=0, requests=16)            # 16 plain: 7 ms host
+        cost.observe(18, 67.0, 7.0 + 2 * 6.0, trees=2, requests=16)  # 16 with trees: 6 ms each
+    assert cost.per_tree_ms_at(1) == pytest.approx(0.5, rel=0.05)
+    assert cost.per_tree_ms_at(16) == pytest.approx(6.0, rel=0.05)
+    assert cost.per_tree_ms_at(20) == pytest.approx(6.0, rel=0.05)   # same bucket (16-31)
+    assert cost.step_ms(16, requests=16) == pytest.approx(7.0 + 65.0, rel=0.01)
+    assert cost.per_tree_ms_at(4) == pytest.approx(cost.per_tree_ms)  # unseen: over all sizes
+    # one node at 40 %: worth 1 ms of rows and 0.5 ms of host alone ...
+    assert allocate([[0.4]], [[-1]], [0.0], [0], 1, 1, cost).verify == [[0]]
+    # ... but not 6 ms of host beside 15 other requests (0.4 token for 7 ms at 4.5 ms a token)
+    values = [[0.4]] + [[] for _ in range(15)]
+    a = allocate(values, [[-1]] + [[] for _ in range(15)], [0.0] * 16, [0] * 16, 16, 16, cost)
+    assert a.verify[0] == []
+    cost.save(tmp_path / "cost.json")
+    again = StepCostModel(path=tmp_path / "cost.json")
+    assert again.per_tree_ms_at(16) == pytest.approx(cost.per_tree_ms_at(16))
+    assert again.per_tree_ms_at(1) == pytest.approx(cost.per_tree_ms_at(1))

@@ -20,8 +20,10 @@ enter with the value the method estimates for them.
 
 ``StepCostModel`` learns ``forward(rows)``, the ``overhead`` of a step without trees and the
 extra host time ``per_tree`` from the engine's own steps (exponential averages; row counts
-not seen yet are interpolated, starting from a prior slope), and can be saved and loaded per
-machine and model, so a new engine starts from what the last one measured. ``AcceptanceModel`` turns each method's own estimate of a
+not seen yet are interpolated, starting from a prior slope; the host times per batch size
+as well, since verifying a tree in a batch of 16 costs several times what it costs alone),
+and can be saved and loaded per machine and model, so a new engine starts from what the
+last one measured. ``AcceptanceModel`` turns each method's own estimate of a
 node (its ``score``, in a ``group``) into a calibrated one: how often nodes of that group
 and score bin were accepted, in this request and over all requests.
 """
@@ -135,6 +137,8 @@ class StepCostModel:
         self.rows: dict[int, _Stat] = {}
         self.overhead = _Stat(0.0, 0)   # host ms of a step without trees
         self.per_tree = _Stat(0.0, 0)   # extra host ms per request that carries a tree
+        # the same two per batch size (``batch_bucket``): (overhead, per_tree)
+        self.host_by_batch: dict[int, tuple[_Stat, _Stat]] = {}
         self.samples = 0
         if self.path is not None and self.path.is_file():
             self.load(self.path)
@@ -154,10 +158,15 @@ class StepCostModel:
         st.ms = value if st.n == 0 else st.ms + a * (value - st.ms)
         st.n += 1
 
+    @staticmethod
+    def batch_bucket(requests: int) -> int:
+        """Batch sizes 1, 2-3, 4-7, 8-15, 16-31, ... share their host-time estimates."""
+        return max(1, int(requests)).bit_length() - 1
+
     def observe(self, rows: int, forward_ms: float, overhead_ms: float | None = None,
-                trees: int = 0) -> None:
-        """One step: its rows, forward ms, host ms around the forward (None: unknown) and
-        how many of its requests carried a tree."""
+                trees: int = 0, requests: int | None = None) -> None:
+        """One step: its rows, forward ms, host ms around the forward (None: unknown), how
+        many of its requests carried a tree, and how many requests it ran (None: unknown)."""
         b = self.bucket(rows)
         st = self.rows.get(b)
         if st is None:
@@ -165,12 +174,31 @@ class StepCostModel:
         else:
             self._average(st, forward_ms)
         if overhead_ms is not None and overhead_ms >= 0:
-            if trees <= 0:
-                self._average(self.overhead, overhead_ms)
-            elif self.overhead.n > 0:
-                self._average(self.per_tree,
-                              max(0.0, (overhead_ms - self.overhead.ms) / trees))
+            stats = [(self.overhead, self.per_tree)]
+            if requests is not None:
+                stats.append(self.host_by_batch.setdefault(
+                    self.batch_bucket(requests), (_Stat(0.0, 0), _Stat(0.0, 0))))
+            for overhead, per_tree in stats:
+                if trees <= 0:
+                    self._average(overhead, overhead_ms)
+                    continue
+                # against a plain step of this batch size, or of any until one was seen
+                plain = overhead if overhead.n > 0 else self.overhead
+                if plain.n > 0:
+                    self._average(per_tree, max(0.0, (overhead_ms - plain.ms) / trees))
         self.samples += 1
+
+    def _host(self, requests: int | None) -> tuple[float, float]:
+        """(overhead, per_tree) ms at this batch size: its own once measured, else over all."""
+        overhead, per_tree = self.overhead.ms, self.per_tree.ms
+        if requests is not None:
+            mine = self.host_by_batch.get(self.batch_bucket(requests))
+            if mine is not None:
+                if mine[0].n >= self.MIN_SAMPLES:
+                    overhead = mine[0].ms
+                if mine[1].n >= self.MIN_SAMPLES:
+                    per_tree = mine[1].ms
+        return overhead, per_tree
 
     # ---- estimates ----------------------------------------------------------------------
     def _known(self) -> list[tuple[int, float]]:
@@ -202,10 +230,12 @@ class StepCostModel:
         (b0, m0), (b1, m1) = known[i - 1], known[i]
         return m0 + (m1 - m0) * (rows - b0) / (b1 - b0)
 
-    def step_ms_range(self, lo: int, hi: int) -> list[float]:
-        """``overhead + forward(rows)`` for rows = lo .. hi (no per-tree host time)."""
+    def step_ms_range(self, lo: int, hi: int, requests: int | None = None) -> list[float]:
+        """``overhead + forward(rows)`` for rows = lo .. hi (no per-tree host time), at a
+        batch of ``requests`` (None: over all batch sizes)."""
         known = self._known()
-        return [self.overhead.ms + self.forward_ms(r, known) for r in range(lo, hi + 1)]
+        overhead = self._host(requests)[0]
+        return [overhead + self.forward_ms(r, known) for r in range(lo, hi + 1)]
 
     @property
     def overhead_ms(self) -> float:
@@ -215,8 +245,12 @@ class StepCostModel:
     def per_tree_ms(self) -> float:
         return self.per_tree.ms
 
-    def step_ms(self, rows: int, trees: int = 0) -> float:
-        return self.overhead.ms + trees * self.per_tree.ms + self.forward_ms(rows)
+    def per_tree_ms_at(self, requests: int | None) -> float:
+        return self._host(requests)[1]
+
+    def step_ms(self, rows: int, trees: int = 0, requests: int | None = None) -> float:
+        overhead, per_tree = self._host(requests)
+        return overhead + trees * per_tree + self.forward_ms(rows)
 
     # ---- persistence --------------------------------------------------------------------
     def save(self, path: str | os.PathLike | None = None) -> None:
@@ -226,7 +260,9 @@ class StepCostModel:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = {"rows": {str(b): [s.ms, s.n] for b, s in sorted(self.rows.items())},
                 "overhead": [self.overhead.ms, self.overhead.n],
-                "per_tree": [self.per_tree.ms, self.per_tree.n]}
+                "per_tree": [self.per_tree.ms, self.per_tree.n],
+                "host_by_batch": {str(b): [[o.ms, o.n], [t.ms, t.n]]
+                                  for b, (o, t) in sorted(self.host_by_batch.items())}}
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(data))
         os.replace(tmp, path)
@@ -242,9 +278,13 @@ class StepCostModel:
             self.overhead = _Stat(float(ms), min(int(n), self.MIN_SAMPLES))
             ms, n = data.get("per_tree", (0.0, 0))
             self.per_tree = _Stat(float(ms), min(int(n), self.MIN_SAMPLES))
+            self.host_by_batch = {
+                int(b): tuple(_Stat(float(ms), min(int(n), self.MIN_SAMPLES)) for ms, n in pair)
+                for b, pair in data.get("host_by_batch", {}).items()}
         except (OSError, ValueError, KeyError, TypeError):
             # a broken cache is no cache
             self.rows, self.overhead, self.per_tree = {}, _Stat(0.0, 0), _Stat(0.0, 0)
+            self.host_by_batch = {}
 
 
 @dataclass
@@ -278,14 +318,15 @@ def allocate(values: list[list[float]], parents: list[list[int]], draft_values: 
         for j in range(draft_caps[r]):
             items.append((-draft_values[r], 1_000 + j, r, 1, j))  # after equal-valued nodes
     items.sort()
-    step_ms = cost.step_ms_range(base_rows, base_rows + len(items))
+    step_ms = cost.step_ms_range(base_rows, base_rows + len(items), num_requests)
+    per_tree = cost.per_tree_ms_at(num_requests)
     plain_rate = num_requests / step_ms[0]
     best_k, best_rate, gain = 0, plain_rate, 0.0
     with_tree: set[int] = set()
     for k, it in enumerate(items, start=1):
         gain += -it[0]
         with_tree.add(it[2])
-        rate = (num_requests + gain) / (step_ms[k] + len(with_tree) * cost.per_tree_ms)
+        rate = (num_requests + gain) / (step_ms[k] + len(with_tree) * per_tree)
         if rate > best_rate:
             best_k, best_rate = k, rate
     if best_rate < plain_rate * (1.0 + MARGIN):
@@ -353,8 +394,8 @@ class TreeBudget:
             return False
         return True
 
-    def _missed(self, drafting_ms: float, base_rows: int) -> None:
-        plain_ms = max(self.cost.step_ms(base_rows), 1e-6)
+    def _missed(self, drafting_ms: float, base_rows: int, num_requests: int) -> None:
+        plain_ms = max(self.cost.step_ms(base_rows, requests=num_requests), 1e-6)
         self._skip = max(0, math.ceil(drafting_ms / (self.EXPLORE_SHARE * plain_ms)) - 1)
         self._misses += 1
         if self._misses >= self.MISSES:
@@ -374,7 +415,7 @@ class TreeBudget:
         if alloc.pays:
             self._misses, self._pause = 0, 1
         else:
-            self._missed(drafting_ms, base_rows)
+            self._missed(drafting_ms, base_rows, num_requests)
         return [t.select(v, d) for t, v, d in zip(trees, alloc.verify, alloc.draft)]
 
     def observe(self, req_id: str, tree: FlatTree, accepted: list[int]) -> None:

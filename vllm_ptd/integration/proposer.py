@@ -261,7 +261,8 @@ class TreeProposer:
     # ---- 1. before the forward --------------------------------------------------------
     def prepare_step(self, scheduler_output, num_scheduled_tokens: np.ndarray) -> None:
         self.channel.close()
-        self._time_step(int(scheduler_output.total_num_scheduled_tokens))
+        self._time_step(int(scheduler_output.total_num_scheduled_tokens),
+                        int(self.runner.input_batch.num_reqs))
         spec = scheduler_output.scheduled_spec_decode_tokens
         if not spec:
             return
@@ -303,11 +304,11 @@ class TreeProposer:
             return trees
         return [FlatTree(t.tokens, list(p), nv, cf) for t, (p, nv, cf) in zip(trees, shapes)]
 
-    def _time_step(self, rows: int) -> None:
+    def _time_step(self, rows: int, requests: int) -> None:
         """Close the last step's clock: its forward time and overhead are the cost model's
         samples (a gap longer than ``IDLE_GAP_MS`` is the engine idling, not overhead), and
         with ``VLLM_PTD_TRACE`` its record goes to the trace."""
-        record = self.clock.start_step(rows)
+        record = self.clock.start_step(rows, requests)
         if record is None:
             return
         if self.budget is not None and record["forward_ms"] > 0:
@@ -315,7 +316,7 @@ class TreeProposer:
             overhead = record["wall_ms"] - record["forward_ms"] - record["drafting_ms"]
             self.budget.cost.observe(record["rows"], record["forward_ms"],
                                      overhead if overhead < IDLE_GAP_MS else None,
-                                     trees=record["trees"])
+                                     trees=record["trees"], requests=record["requests"])
             if self.budget.cost.samples % SAVE_COST_EVERY_STEPS == 0:
                 self.budget.cost.save()
         if self.trace is not None:

@@ -20,25 +20,26 @@ class StepClock:
     def __init__(self) -> None:
         self._start: float | None = None
         self._rows = 0
+        self._requests = 0
         self._trees = 0
         self._parts = dict.fromkeys(PARTS, 0.0)
         self.totals = dict.fromkeys(("steps", "wall", *PARTS), 0.0)
 
-    def start_step(self, rows: int) -> dict | None:
-        """Close the step in flight and start the next one (``rows``: its scheduled tokens).
-        Returns the closed step's record: rows, trees (requests that carried one), wall_ms
-        and one ``<part>_ms`` per part."""
+    def start_step(self, rows: int, requests: int = 0) -> dict | None:
+        """Close the step in flight and start the next one (``rows``: its scheduled tokens,
+        ``requests``: the requests it runs). Returns the closed step's record: rows,
+        requests, trees (requests that carried one), wall_ms and one ``<part>_ms`` per part."""
         now = time.perf_counter()
         record = None
         if self._start is not None:
-            record = {"rows": self._rows, "trees": self._trees,
+            record = {"rows": self._rows, "requests": self._requests, "trees": self._trees,
                       "wall_ms": 1000 * (now - self._start),
                       **{f"{k}_ms": v for k, v in self._parts.items()}}
             self.totals["steps"] += 1
             self.totals["wall"] += record["wall_ms"]
             for k, v in self._parts.items():
                 self.totals[k] += v
-        self._start, self._rows, self._trees = now, rows, 0
+        self._start, self._rows, self._requests, self._trees = now, rows, requests, 0
         self._parts = dict.fromkeys(PARTS, 0.0)
         return record
 
