@@ -117,3 +117,21 @@ def test_serving_report_counts_engine_time_and_short_steps():
     md = report(rows, {"model": "m", "dtype": "float32", "max_tokens": 4, "num_requests": 1,
                        "repeats": 1, "servers": ""}, {})
     assert "| 4 | ptd | 0.18 | 0.16 | 0.00 | 0.00 | 2 | 1 | 1 (0.08) |" in md
+
+
+def test_trace_steps_groups_by_batch_and_trees():
+    from vllm_ptd.bench.trace_steps import step_groups
+
+    rec = lambda **k: json.dumps({"step": {"drafting_ms": 1.0, "verify_ms": 0.0, **k}})  # noqa: E731
+    lines = [rec(rows=16, requests=16, trees=0, wall_ms=100.0, forward_ms=90.0),
+             rec(rows=20, requests=16, trees=2, wall_ms=130.0, forward_ms=110.0, verify_ms=6.0),
+             rec(rows=24, requests=16, trees=3, wall_ms=150.0, forward_ms=120.0, verify_ms=8.0),
+             rec(rows=1, requests=1, trees=0, wall_ms=50.0, forward_ms=45.0),
+             rec(rows=16, requests=16, trees=0, wall_ms=4000.0, forward_ms=90.0),  # idle
+             json.dumps({"req": "a", "nodes": 3})]
+    g = step_groups(lines)
+    assert set(g) == {(16, False), (16, True), (1, False)}
+    assert g[(16, True)]["steps"] == 2 and g[(16, True)]["rows"] == 22
+    assert g[(16, True)]["verify"] == 7.0 and g[(16, True)]["host"] == 140.0 - 115.0 - 1.0
+    assert g[(16, False)]["steps"] == 1
+    assert set(step_groups(lines, requests=1)) == {(1, False)}
