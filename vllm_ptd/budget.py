@@ -278,9 +278,10 @@ class StepCostModel:
             self.overhead = _Stat(float(ms), min(int(n), self.MIN_SAMPLES))
             ms, n = data.get("per_tree", (0.0, 0))
             self.per_tree = _Stat(float(ms), min(int(n), self.MIN_SAMPLES))
-            self.host_by_batch = {
-                int(b): tuple(_Stat(float(ms), min(int(n), self.MIN_SAMPLES)) for ms, n in pair)
-                for b, pair in data.get("host_by_batch", {}).items()}
+            self.host_by_batch = {}
+            for b, ((oms, on), (pms, pn)) in data.get("host_by_batch", {}).items():
+                self.host_by_batch[int(b)] = (_Stat(float(oms), min(int(on), self.MIN_SAMPLES)),
+                                              _Stat(float(pms), min(int(pn), self.MIN_SAMPLES)))
         except (OSError, ValueError, KeyError, TypeError):
             # a broken cache is no cache
             self.rows, self.overhead, self.per_tree = {}, _Stat(0.0, 0), _Stat(0.0, 0)
