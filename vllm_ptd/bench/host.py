@@ -6,6 +6,8 @@ import platform
 import subprocess
 from pathlib import Path
 
+from vllm_ptd.hardware import cpu_has_fast_bf16
+
 REPO = Path(__file__).resolve().parent.parent.parent
 
 def host_info() -> dict:
@@ -46,11 +48,7 @@ def fast_bf16() -> bool:
             return True
     except ImportError:
         pass
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return cpu_has_fast_bf16()
 
 
 def resolve_common_args(args) -> None:

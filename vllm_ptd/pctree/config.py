@@ -8,17 +8,11 @@ from typing import Any
 import torch
 
 from vllm_ptd.config import BUDGET_MODES, check_choice, check_int
+from vllm_ptd.hardware import cpu_has_fast_bf16
 
 MODES = ("pctree", "shared", "chain")
 DEFAULT_BRANCHING = 4
 DRAFTER_DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-def cpu_has_fast_bf16() -> bool:
-    """The CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), as vLLM's CPU GEMM checks."""
-    cpu = getattr(torch, "cpu", None)
-    return any(bool(getattr(cpu, f, lambda: False)())
-               for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
 def pool_capacity(k: int, depth: int) -> int:
