@@ -60,6 +60,13 @@ def spec_summary(trace: list, counters: dict, gen_tokens: int, requests: int) ->
 
 
 STEP_PARTS = ("forward", "tree_attention", "verify", "drafting", "budget")
+# a step record this long is the engine waiting between calls, not a step's cost
+IDLE_STEP_MS = 1000.0
+
+
+def busy_steps(steps) -> list[dict]:
+    """The step records of an engine at work (idle gaps left out)."""
+    return [s for s in steps if s.get("wall_ms", 0) < IDLE_STEP_MS]
 
 
 def step_time_summary(steps: list[dict]) -> dict | None:
@@ -67,7 +74,7 @@ def step_time_summary(steps: list[dict]) -> dict | None:
     (``vllm_ptd.integration.step_clock``), and ``other`` = wall minus the timed parts
     (vLLM's scheduling, sampling and bookkeeping); ``forward`` includes ``tree_attention``.
     Steps longer than 1 s (the engine idling between calls) are left out."""
-    steps = [s for s in steps if s.get("wall_ms", 0) < 1000]
+    steps = busy_steps(steps)
     if not steps:
         return None
     n = len(steps)

@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_ptd.bench.aggregate import mean_sd, spec_summary
+from vllm_ptd.bench.aggregate import busy_steps, mean_sd, spec_summary
 from vllm_ptd.bench.engines import read_trace, traced
 from vllm_ptd.bench.host import REPO, host_info, resolve_common_args
 from vllm_ptd.bench.methods import Method, int_list, parse_methods, safe_label
@@ -305,7 +305,7 @@ def engine_time(rounds_steps: list[list[dict]], clients: int) -> dict | None:
     if not any(rounds_steps):
         return None
     n = len(rounds_steps)
-    steps = [s for rs in rounds_steps for s in rs if s.get("wall_ms", 0) < 1000]
+    steps = busy_steps(s for rs in rounds_steps for s in rs)
     if not steps:
         return None
 

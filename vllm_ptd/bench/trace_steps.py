@@ -11,20 +11,17 @@ import gzip
 import json
 from collections import defaultdict
 
+from vllm_ptd.bench.aggregate import busy_steps
+
 
 def step_groups(lines, requests: int | None = None) -> dict[tuple[int, bool], dict]:
     """``{(requests, with trees): {"steps", "rows", "wall", "forward", "verify", "host"}}``;
     host = wall - forward - drafting (vLLM's and the proposer's host work)."""
+    records = [json.loads(line)["step"] for line in lines if line.startswith('{"step"')]
     groups: dict[tuple[int, bool], list[dict]] = defaultdict(list)
-    for line in lines:
-        if not line.startswith('{"step"'):
-            continue
-        s = json.loads(line)["step"]
-        if s["wall_ms"] >= 1000 or "requests" not in s:
-            continue
-        if requests is not None and s["requests"] != requests:
-            continue
-        groups[(s["requests"], s["trees"] > 0)].append(s)
+    for s in busy_steps(records):
+        if "requests" in s and requests in (None, s["requests"]):
+            groups[(s["requests"], s["trees"] > 0)].append(s)
     out = {}
     for key, steps in sorted(groups.items()):
         n = len(steps)
