@@ -8,7 +8,8 @@ from vllm_ptd.pctree.config import PCTreeConfig
 def _build(options: PCTreeConfig, ctx: BuildContext):
     from vllm_ptd.pctree.method import PCTreeMethod
 
-    return PCTreeMethod(options, ctx.target_config, ctx.target_embeddings, dtype=options.drafter_torch_dtype(ctx.dtype, ctx.device),
+    return PCTreeMethod(options, ctx.target_config, ctx.target_embeddings,
+                        dtype=options.drafter_torch_dtype(ctx.dtype, ctx.device),
                         device=ctx.device, linear_kernel=ctx.linear_kernel)
 
 
