@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from vllm_ptd.budget import (AcceptanceModel, StepCostModel, TreeBudget, allocate, score_bin)
+from vllm_ptd.budget import (AcceptanceModel, Calibration, StepCostModel, TreeBudget, allocate,
+                             makespan_weights, monotone, score_bin)
 from vllm_ptd.tree import FlatTree
 
 
@@ -34,10 +35,38 @@ def test_cost_model_learns_interpolates_and_extrapolates():
 def test_cost_model_tracks_a_change_and_buckets_large_counts():
     cost = linear_cost(50.0, 8.0)
     for _ in range(60):
-        cost.observe(4, 200.0)
-    assert cost.forward_ms(4) == pytest.approx(200.0, rel=0.01)
+        cost.observe(64, 1000.0)
+    assert cost.forward_ms(64) == pytest.approx(1000.0, rel=0.01)
     assert StepCostModel.bucket(64) == 64 and StepCostModel.bucket(70) == 70 - 70 % 8
     assert StepCostModel.bucket(1000) == 1000 - 1000 % 64
+
+
+def test_the_cost_curve_never_falls_with_more_rows():
+    # a point measured low by chance is pooled with its neighbours, by their samples
+    pts = [(1, 54.0, 8), (2, 65.0, 4), (3, 51.0, 4), (5, 46.0, 16), (8, 60.0, 3), (12, 58.0, 1)]
+    fit = monotone(pts)
+    assert [r for r, _ in fit] == [1, 2, 3, 5, 8, 12]
+    ms = [m for _, m in fit]
+    assert all(a <= b for a, b in zip(ms, ms[1:]))
+    assert ms[0] == pytest.approx((54 * 8 + 65 * 4 + 51 * 4 + 46 * 16) / 32)
+    assert ms[4] == ms[5] == pytest.approx((60 * 3 + 58) / 4)
+    assert monotone([(1, 1.0, 2), (2, 3.0, 2)]) == [(1, 1.0), (2, 3.0)]  # kept as measured
+    rng = random.Random(3)
+    for _ in range(50):
+        pts = sorted({r: (r, rng.uniform(10, 100), rng.randint(1, 40))
+                      for r in rng.sample(range(1, 80), 12)}.values())
+        ms = [m for _, m in monotone(pts)]
+        assert all(a <= b + 1e-9 for a, b in zip(ms, ms[1:]))
+        # pooling keeps the weighted total (weights: samples, at most 16)
+        w = [min(n, 16) for _, _, n in pts]
+        assert sum(wi * m for wi, m in zip(w, ms)) == pytest.approx(
+            sum(wi * m for wi, (_, m, _) in zip(w, pts)))
+    # the allocation no longer lands on a low point: 5 rows cost as much as one here
+    cost = StepCostModel(prior_slope=0.0)
+    for rows, ms in ((1, 54.0), (5, 40.0), (6, 70.0)):
+        for _ in range(4):
+            cost.observe(rows, ms, 0.0)
+    assert cost.forward_ms(5) == pytest.approx(47.0) == cost.forward_ms(1)
 
 
 def test_cost_model_saves_and_loads_as_a_prior(tmp_path):
@@ -106,6 +135,38 @@ def test_allocate_shares_rows_across_requests_by_value():
     assert (1, 1) not in chosen  # the weakest node is left out first
     for r, kept in enumerate(a.verify):  # closed under parents
         assert all(parents[r][i] < 0 or parents[r][i] in kept for i in kept)
+
+
+def test_makespan_weights_value_the_critical_path():
+    # the requests with the most tokens left share one step; the others save their share
+    assert makespan_weights([10, 7, 10, 3], 0.05) == [0.5, 0.05, 0.5, 0.05]
+    assert makespan_weights([5, 5, 5, 5], 0.05) == [0.25] * 4
+    assert makespan_weights([4], 0.3) == [1.0]
+    assert makespan_weights([9, 2], -0.2) == [1.0, 0.0] and makespan_weights([], 0.1) == []
+
+
+def test_a_batch_that_nothing_follows_sends_trees_only_where_they_shorten_it():
+    # four requests, one row costs 2 % of a step, each request 3 %; every request has the
+    # same sure-ish nodes. Counting tokens, all four get trees; at the batch's end only the
+    # request with the most tokens left does (the others' tokens save 3 % of a step each,
+    # less than their row costs)
+    cost = StepCostModel(prior_slope=0.0)
+    for rows in range(1, 40):
+        for _ in range(3):
+            cost.observe(rows, 50.0 + 1.0 * (rows - 1), 0.0, requests=min(rows, 4))
+    share = cost.request_share(4)
+    assert share == pytest.approx(1.0 / 53.0)
+    values = [[0.6, 0.4]] * 4
+    parents = [[-1, 0]] * 4
+    by_tokens = allocate(values, parents, [0.0] * 4, [0] * 4, 4, 4, cost)
+    assert all(kept for kept in by_tokens.verify)
+    weights = makespan_weights([20, 12, 12, 15], share)
+    at_end = allocate(values, parents, [0.0] * 4, [0] * 4, 4, 4, cost, weights=weights)
+    assert at_end.verify == [[0, 1], [], [], []] and at_end.pays
+    # all tied: the same trees as counting tokens (weights proportional to 1)
+    tied = allocate(values, parents, [0.0] * 4, [0] * 4, 4, 4, cost,
+                    weights=makespan_weights([9] * 4, share))
+    assert tied.verify == by_tokens.verify
 
 
 def test_allocate_keeps_parents_on_random_trees():
@@ -226,3 +287,69 @@ def test_host_time_is_learnt_per_batch_size(tmp_path):
     again = StepCostModel(path=tmp_path / "cost.json")
     assert again.per_tree_ms_at(16) == pytest.approx(cost.per_tree_ms_at(16))
     assert again.per_tree_ms_at(1) == pytest.approx(cost.per_tree_ms_at(1))
+
+
+def test_tree_rows_are_costed_at_the_batch_size_they_run_in(tmp_path):
+    """At one row count a step of four requests with a tree costs more than a step of one
+    (measured here: 4 requests 42.6 ms plain, 85 ms with 12 tree rows, while one request
+    with 15 tree rows took 63 ms), and prefill rows cost less than tree rows: a tree step is
+    costed as a plain step of its requests plus what tree rows add at that batch size,
+    learnt from decode-only steps; until both are measured, from the curve over all
+    steps. Saved with the rest."""
+    cost = StepCostModel(prior_slope=0.0)
+    for _ in range(5):
+        for rows in (1, 4, 8, 12):
+            cost.observe(rows, 50.0, 0.0, trees=int(rows > 1), requests=1, nodes=rows - 1)
+        cost.observe(12, 50.0, 0.0, requests=4, nodes=0)   # 4 decoding + 8 prefill rows
+    assert cost.step_ms(12, requests=4) == pytest.approx(50.0)  # nothing at 4: over all
+    for _ in range(5):
+        cost.observe(4, 42.0, 0.0, requests=4, nodes=0)
+    assert cost.step_ms(12, requests=4) == pytest.approx(50.0)  # no tree rows at 4 yet
+    for _ in range(5):
+        cost.observe(8, 60.0, 0.0, trees=1, requests=4, nodes=4)
+    assert cost.step_ms(4, requests=4) == pytest.approx(42.0)
+    assert cost.step_ms(12, requests=4) == pytest.approx(42.0 + 36.0)  # 4.5 ms a row, on
+    assert cost.step_ms_range(4, 6, requests=4) == pytest.approx([42.0, 46.5, 51.0])
+    assert cost.step_ms(9, requests=5) == pytest.approx(cost.forward_ms(9))  # 5 not measured
+    for _ in range(5):
+        cost.observe(5, 45.0, 0.0, requests=5, nodes=0)
+    assert cost.step_ms(9, requests=5) == pytest.approx(45.0 + 18.0)  # same bucket (4-7)
+    assert cost.step_ms(12, requests=1) == pytest.approx(50.0)
+    # a chain of 8 nodes at 60 % each beside 4 requests: on the curve over all steps all of
+    # it would go (12 rows for 5.5 tokens at 50 ms), at this batch size a node or two
+    values = [[0.6 ** (k + 1) for k in range(8)], [], [], []]
+    parents = [[-1, 0, 1, 2, 3, 4, 5, 6], [], [], []]
+    a = allocate(values, parents, [0.0] * 4, [0] * 4, 4, 4, cost)
+    assert 1 <= len(a.verify[0]) <= 2
+    cost.save(tmp_path / "cost.json")
+    again = StepCostModel(path=tmp_path / "cost.json")
+    assert again.step_ms(12, requests=4) == pytest.approx(78.0)
+
+
+def test_calibration_corrects_what_came_out_brighter_than_estimated():
+    cal = Calibration()
+    assert cal.time_ratio(4) == 1.0 and cal.token_ratio(4) == 1.0  # nothing seen
+    cal.observe_time(4, 80.0, 120.0)          # one step: shrunk toward 1 by 8 like it
+    assert cal.time_ratio(4) == pytest.approx((120 + 8 * 80) / (80 + 8 * 80))
+    for _ in range(200):
+        cal.observe_time(5, 80.0, 92.0)       # same bucket (4-7): 15 % longer
+        cal.observe_tokens(6, 2.0, 1.6)       # 80 % of the tokens
+        cal.observe_time(1, 50.0, 50.0)       # batch 1 as predicted
+    assert cal.time_ratio(4) == pytest.approx(1.15, abs=0.01)
+    assert cal.token_ratio(7) == pytest.approx(0.8, abs=0.01)
+    assert cal.time_ratio(1) == pytest.approx(1.0) and cal.token_ratio(16) == 1.0
+    cal.observe_tokens(2, 0.0, 3.0)           # nothing expected: nothing learnt
+    assert cal.token_ratio(2) == 1.0
+    for _ in range(100):
+        cal.observe_time(16, 10.0, 1000.0)
+    assert cal.time_ratio(16) == Calibration.BOUNDS[1]
+    # a node that pays by 4 % on paper (4.3 tokens in 58 ms against 4 in 56) does not once
+    # its step takes 15 % longer and brings 80 % of what was expected
+    cost = linear_cost(50.0, 2.0)
+    values = [[0.3], [], [], []]
+    parents = [[-1], [], [], []]
+    on_paper = allocate(values, parents, [0.0] * 4, [0] * 4, 4, 4, cost)
+    assert on_paper.verify[0] == [0] and on_paper.pays
+    calibrated = allocate(values, parents, [0.0] * 4, [0] * 4, 4, 4, cost,
+                          time_ratio=cal.time_ratio(4), token_ratio=cal.token_ratio(4))
+    assert calibrated.verify[0] == [] and not calibrated.pays

@@ -397,13 +397,33 @@ class TestSmallEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        # the budget's objective as the steps go: counting tokens while the scheduler has
+        # requests waiting (here the preempted ones), the batch's end when it has none
+        proposer = _proposer(llm)
+        seen = []
+        real = proposer._batch_end_weights
+
+        def recording(ready_b):
+            weights = real(ready_b)
+            seen.append((proposer._num_waiting, len(ready_b), weights))
+            return weights
+
+        proposer._batch_end_weights = recording
         before = _counters(llm).get("vllm:num_preemptions", 0)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in work["preempt"]],
-                            SamplingParams(temperature=0, max_tokens=PREEMPT_TOKENS),
-                            use_tqdm=False)
+        try:
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in work["preempt"]],
+                                SamplingParams(temperature=0, max_tokens=PREEMPT_TOKENS),
+                                use_tqdm=False)
+        finally:
+            del proposer._batch_end_weights
         preempted = _counters(llm).get("vllm:num_preemptions", 0) - before
         assert preempted > 0, "the workload did not preempt: the test checks nothing"
         for i, o in enumerate(outs):
             assert list(o.outputs[0].token_ids) == plain[("preempt", i)], f"request {i}"
+        assert any(w is not None and w > 0 for w, _, _ in seen), "no step saw a waiting request"
+        assert all(weights is None for w, _, weights in seen if w)
+        at_end = [(n, weights) for w, n, weights in seen if w == 0]
+        assert at_end and all(len(weights) == n for n, weights in at_end)
+        assert all(0.0 <= x <= 1.0 for _, weights in at_end for x in weights)
         _flush(llm)
         assert _proposer(llm).num_tracked() == 0

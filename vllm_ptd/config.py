@@ -16,8 +16,10 @@ VLLM_PASSTHROUGH_KEYS = ("method", "num_speculative_tokens")
 # Keys every tree method takes, handled by the integration rather than the method.
 ENGINE_KEYS = ("disable_by_batch_size",)
 # Every method config's ``budget`` key: "auto" sizes each step's trees with the measured cost
-# model (vllm_ptd.budget), "fixed" runs the trees as the method makes them.
-BUDGET_MODES = ("auto", "fixed")
+# model (vllm_ptd.budget), for tokens per ms while the scheduler has requests waiting and for
+# the batch's end (its critical path) when it has none; "per_step" for tokens per ms always;
+# "fixed" runs the trees as the method makes them.
+BUDGET_MODES = ("auto", "per_step", "fixed")
 
 
 def check_int(name: str, value: Any, lo: int, hi: int) -> int:

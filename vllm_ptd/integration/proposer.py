@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vllm_ptd.budget import StepCostModel, TreeBudget
+from vllm_ptd.budget import StepCostModel, TreeBudget, makespan_weights
 from vllm_ptd.integration.kv_stash import bind_tree_attention
 from vllm_ptd.integration.step_clock import StepClock
 from vllm_ptd.integration.step import StepChannel, TreeStep, build_step
@@ -185,6 +185,13 @@ class TreeProposer:
         self.metrics = SpecMetrics()
         self._steps = 0
         self.budget: TreeBudget | None = None  # made in bind (needs the device)
+        # the budget's last sizing, for its calibration and the trace: accepted tokens it
+        # expected per request, the step milliseconds it expected, the batch it sized for
+        self._expected: dict[str, float] = {}
+        self._predicted_ms = 0.0
+        self._sized_requests = 0
+        # requests the scheduler had waiting this step (SchedulerPatch; None: not known)
+        self._num_waiting: int | None = None
         self.clock = StepClock()
         self.channel.clock = self.clock
         trace = os.environ.get("VLLM_PTD_TRACE")
@@ -207,7 +214,7 @@ class TreeProposer:
         if group.world_size > 1:
             self.tp_group = group
             self.is_driver = group.rank_in_group == 0
-        if getattr(self.options, "budget", "fixed") == "auto" and self.is_driver:
+        if getattr(self.options, "budget", "fixed") != "fixed" and self.is_driver:
             kind = "cuda" if runner.device.type == "cuda" else "cpu"
             self.budget = TreeBudget(StepCostModel(
                 PRIOR_ROW_SLOPE[kind], cost_cache_path(self.vllm_config, kind, self.kind)))
@@ -263,6 +270,7 @@ class TreeProposer:
         self.channel.close()
         self._time_step(int(scheduler_output.total_num_scheduled_tokens),
                         int(self.runner.input_batch.num_reqs))
+        self._num_waiting = getattr(scheduler_output, "vllm_ptd_num_waiting", None)
         spec = scheduler_output.scheduled_spec_decode_tokens
         if not spec:
             return
@@ -292,7 +300,8 @@ class TreeProposer:
             trees = self._shared_trees(trees)
         step = build_step(req_ids, batch_idx, trees, starts, ctx, self.runner.positions)
         step.proposed_nodes = proposed
-        self.clock.set_trees(len(trees))
+        self.clock.set_trees(len(trees), sum(t.num_nodes for t in step.trees),
+                             self._predicted_ms)
         self.channel.open(step)
 
     def _shared_trees(self, trees: list[FlatTree]) -> list[FlatTree]:
@@ -314,9 +323,17 @@ class TreeProposer:
         if self.budget is not None and record["forward_ms"] > 0:
             # drafting is charged by the budget where it is known, not as step overhead
             overhead = record["wall_ms"] - record["forward_ms"] - record["drafting_ms"]
+            if record["trees"] and overhead < IDLE_GAP_MS and \
+                    record["rows"] == record["requests"] + record["nodes"]:
+                # decode-only steps: the budget sizes trees beside decoding rows, and a
+                # prefill beside them is no error of its estimate
+                self.budget.calibration.observe_time(
+                    record["requests"], record["predicted_ms"],
+                    record["wall_ms"] - record["drafting_ms"])
             self.budget.cost.observe(record["rows"], record["forward_ms"],
                                      overhead if overhead < IDLE_GAP_MS else None,
-                                     trees=record["trees"], requests=record["requests"])
+                                     trees=record["trees"], requests=record["requests"],
+                                     nodes=record["nodes"])
             if self.budget.cost.samples % SAVE_COST_EVERY_STEPS == 0:
                 self.budget.cost.save()
         if self.trace is not None:
@@ -407,6 +424,7 @@ class TreeProposer:
             return
         arg = argmax.tolist()
         pos = 0
+        expected = accepted_total = 0.0
         for i, (req_id, tree) in enumerate(zip(step.req_ids, step.trees)):
             n = tree.num_nodes
             accepted, committed = walks[i]
@@ -418,15 +436,42 @@ class TreeProposer:
                                 verify_rows=tree.num_verify, draft_rows=n - tree.num_verify)
             if self.budget is not None:
                 self.budget.observe(req_id, tree, accepted)
+                expected += max(0.0, self._expected.get(req_id, 0.0))
+                accepted_total += len(accepted)
             if self.trace is not None:
                 self.trace.write(json.dumps({
                     "req": req_id, "nodes": n, "proposed": step.proposed_nodes[i],
                     "verify": tree.num_verify, "accepted": len(accepted),
-                    "committed": len(committed)}) + "\n")
+                    "committed": len(committed),
+                    "expected": round(self._expected.get(req_id, -1.0), 3)}) + "\n")
+        if self.budget is not None:
+            self.budget.calibration.observe_tokens(self._sized_requests, expected,
+                                                   accepted_total)
         self._steps += 1
         if self._steps % LOG_EVERY_STEPS == 0:
             logger.info("vllm-ptd %s: %s; per step %s", self.kind, self.metrics.summary(),
                         self.clock.summary())
+
+    def _batch_end_weights(self, ready_b: list[int]) -> list[float] | None:
+        """What a token of each ready request (batch rows ``ready_b``) is worth when no
+        request waits for room (``budget.makespan_weights``); None while requests wait, or
+        with ``budget: "per_step"``: then every token counts the same."""
+        if self.options.budget != "auto" or self._num_waiting is None or self._num_waiting > 0:
+            return None
+        ib = self.runner.input_batch
+        remaining = []
+        for req_id in ib.req_ids[: ib.num_reqs]:
+            state = self.runner.requests.get(req_id)
+            if state is None:
+                remaining.append(0)
+                continue
+            params = state.sampling_params
+            cap = self.max_model_len - state.num_tokens
+            if params is not None and params.max_tokens is not None:
+                cap = min(cap, params.max_tokens - len(state.output_token_ids))
+            remaining.append(max(0, cap))
+        weights = makespan_weights(remaining, self.budget.cost.request_share(ib.num_reqs))
+        return [weights[b] for b in ready_b]
 
     # ---- 3. drafting --------------------------------------------------------------------
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
@@ -494,7 +539,11 @@ class TreeProposer:
             drafting_ms = 1000 * (time.perf_counter() - t0)
             with self.clock.part("budget"):
                 trees = self.budget.size(ready_ids, trees, base_rows=ib.num_reqs,
-                                         num_requests=ib.num_reqs, drafting_ms=drafting_ms)
+                                         num_requests=ib.num_reqs, drafting_ms=drafting_ms,
+                                         weights=self._batch_end_weights(ready_b))
+            self._expected = dict(zip(ready_ids, self.budget.last.expected))
+            self._predicted_ms = self.budget.last.step_ms
+            self._sized_requests = ib.num_reqs
         for req_id, b, tree in zip(ready_ids, ready_b, trees):
             # the scheduler keeps positions below max_model_len: send what fits; the
             # stored tree is cut to what was scheduled in the next prepare_step

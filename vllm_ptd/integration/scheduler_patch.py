@@ -1,4 +1,5 @@
-"""SchedulerPatch: vLLM's spec-decode counters count the nodes offered for acceptance.
+"""SchedulerPatch: vLLM's spec-decode counters count the nodes offered for acceptance, and
+each step's output says how many requests wait.
 
 vLLM counts every scheduled speculative token as drafted. A PTD tree also carries draft-tree
 rows, which only draft and can never be accepted, so a dashboard would show a small share
@@ -29,6 +30,14 @@ class TreeDraftTokenIds(DraftTokenIds):
 
 class SchedulerPatch(Patch):
     target = Scheduler
+
+    def schedule(self, *args, **kwargs):
+        out = SchedulerPatch.original("schedule")(self, *args, **kwargs)
+        # the tree budget sizes for tokens per ms while requests wait for room, and for the
+        # batch's end when none do (vllm_ptd.budget); the runner reads this off the output
+        counts = getattr(self, "get_request_counts", None)
+        out.vllm_ptd_num_waiting = counts()[1] if counts is not None else len(self.waiting)
+        return out
 
     def update_draft_token_ids(self, draft_token_ids, *args, **kwargs):
         if isinstance(draft_token_ids, TreeDraftTokenIds):

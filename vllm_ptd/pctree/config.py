@@ -40,7 +40,7 @@ class PCTreeConfig:
     max_nodes: int = 16          # N: verified nodes including the root
     depth: int | None = None     # B: stages
     mode: str = "pctree"
-    budget: str = "auto"         # "auto": each step's tree sized by the cost model
+    budget: str = "auto"         # "auto"/"per_step": each step's tree sized by the cost model
     drafter_dtype: str = "auto"  # "auto": see drafter_torch_dtype
 
     def __post_init__(self) -> None:

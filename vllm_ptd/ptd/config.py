@@ -42,7 +42,7 @@ class PTDConfig:
     match: str = "suffix"
     max_match: int = 8
     min_match: int = 2
-    budget: str = "auto"                # "auto": sized by the cost model; "fixed": the caps
+    budget: str = "auto"                # "auto"/"per_step": sized by the cost model; "fixed": the caps
 
     def __post_init__(self) -> None:
         check_int("width", self.width, 1, 16)
