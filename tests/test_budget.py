@@ -353,3 +353,17 @@ def test_calibration_corrects_what_came_out_brighter_than_estimated():
     calibrated = allocate(values, parents, [0.0] * 4, [0] * 4, 4, 4, cost,
                           time_ratio=cal.time_ratio(4), token_ratio=cal.token_ratio(4))
     assert calibrated.verify[0] == [] and not calibrated.pays
+
+
+def test_a_step_mixing_a_prefill_with_trees_is_no_error_of_the_sizing():
+    budget = TreeBudget(StepCostModel(prior_slope=0.0))
+    # 4 decoding requests, 12 tree rows and 300 prefill rows: 900 ms against 90 predicted
+    budget.observe_step(316, 880.0, 20.0, trees=1, requests=4, nodes=12, predicted_ms=90.0,
+                        taken_ms=900.0)
+    assert budget.calibration.time_ratio(4) == 1.0
+    budget.observe_step(16, 100.0, 8.0, trees=1, requests=4, nodes=12, predicted_ms=90.0,
+                        taken_ms=108.0)
+    assert budget.calibration.time_ratio(4) == pytest.approx((108 + 8 * 90) / (90 + 8 * 90))
+    budget.observe_step(16, 100.0, None, trees=1, requests=4, nodes=12, predicted_ms=90.0,
+                        taken_ms=5000.0)   # the engine idling: no host time, nothing learnt
+    assert budget.calibration.time_ratio(4) == pytest.approx((108 + 8 * 90) / (90 + 8 * 90))

@@ -185,10 +185,20 @@ def curve_at(known: list[tuple[int, float]], x: float) -> float:
     return y0 + (y1 - y0) * (x - b0) / (b1 - b0)
 
 
+def decode_only(rows: int, requests: int | None, nodes: int | None) -> bool:
+    """A step of decoding requests and their tree rows, no prefill rows (the steps the
+    budget sizes trees for; None: not known)."""
+    return requests is not None and nodes is not None and rows == requests + nodes
+
+
 @dataclass
 class _Stat:
     ms: float
     n: int
+
+
+def _dump(table: dict[int, _Stat]) -> dict[str, list]:
+    return {str(b): [s.ms, s.n] for b, s in sorted(table.items())}
 
 
 class StepCostModel:
@@ -254,8 +264,8 @@ class StepCostModel:
         many of its requests carried a tree, how many requests it ran and how many tree
         nodes (None: unknown)."""
         self._add(self.rows, self.bucket(rows), forward_ms)
-        if requests is not None and nodes is not None and rows == requests + nodes:
-            # a decode-only step (no prefill rows): plain, or plain plus its tree rows
+        if decode_only(rows, requests, nodes):
+            # plain, or plain plus its tree rows
             key = self.bucket(requests)
             if nodes == 0:
                 self._add(self.decode, key, forward_ms)
@@ -371,39 +381,38 @@ class StepCostModel:
         if path is None:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = {"rows": {str(b): [s.ms, s.n] for b, s in sorted(self.rows.items())},
-                "overhead": [self.overhead.ms, self.overhead.n],
+        data = {"rows": _dump(self.rows), "overhead": [self.overhead.ms, self.overhead.n],
                 "per_tree": [self.per_tree.ms, self.per_tree.n],
                 "host_by_batch": {str(b): [[o.ms, o.n], [t.ms, t.n]]
                                   for b, (o, t) in sorted(self.host_by_batch.items())},
-                "decode": {str(b): [s.ms, s.n] for b, s in sorted(self.decode.items())},
-                "tree_rows": {str(k): {str(b): [s.ms, s.n] for b, s in sorted(t.items())}
-                              for k, t in sorted(self.tree_rows.items())}}
+                "decode": _dump(self.decode),
+                "tree_rows": {str(k): _dump(t) for k, t in sorted(self.tree_rows.items())}}
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(data))
         os.replace(tmp, path)
+
+    @classmethod
+    def _prior(cls, saved) -> _Stat:
+        ms, n = saved
+        return _Stat(float(ms), min(int(n), cls.MIN_SAMPLES))
+
+    @classmethod
+    def _load_table(cls, saved: dict) -> dict[int, _Stat]:
+        return {int(b): cls._prior(v) for b, v in saved.items()}
 
     def load(self, path: str | os.PathLike) -> None:
         try:
             data = json.loads(Path(path).read_text())
             # a loaded curve is a prior: it counts as at most MIN_SAMPLES samples per bucket,
             # so this engine's own steps take over quickly
-            self.rows = {int(b): _Stat(float(ms), min(int(n), self.MIN_SAMPLES))
-                         for b, (ms, n) in data["rows"].items()}
-            ms, n = data["overhead"]
-            self.overhead = _Stat(float(ms), min(int(n), self.MIN_SAMPLES))
-            ms, n = data.get("per_tree", (0.0, 0))
-            self.per_tree = _Stat(float(ms), min(int(n), self.MIN_SAMPLES))
-            self.decode = {int(b): _Stat(float(ms), min(int(n), self.MIN_SAMPLES))
-                           for b, (ms, n) in data.get("decode", {}).items()}
-            self.tree_rows = {
-                int(k): {int(b): _Stat(float(ms), min(int(n), self.MIN_SAMPLES))
-                         for b, (ms, n) in t.items()}
-                for k, t in data.get("tree_rows", {}).items()}
-            self.host_by_batch = {}
-            for b, ((oms, on), (pms, pn)) in data.get("host_by_batch", {}).items():
-                self.host_by_batch[int(b)] = (_Stat(float(oms), min(int(on), self.MIN_SAMPLES)),
-                                              _Stat(float(pms), min(int(pn), self.MIN_SAMPLES)))
+            self.rows = self._load_table(data["rows"])
+            self.overhead = self._prior(data["overhead"])
+            self.per_tree = self._prior(data.get("per_tree", (0.0, 0)))
+            self.decode = self._load_table(data.get("decode", {}))
+            self.tree_rows = {int(k): self._load_table(t)
+                              for k, t in data.get("tree_rows", {}).items()}
+            self.host_by_batch = {int(b): (self._prior(o), self._prior(t))
+                                  for b, (o, t) in data.get("host_by_batch", {}).items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             # a broken cache is no cache
             self.rows, self.overhead, self.per_tree = {}, _Stat(0.0, 0), _Stat(0.0, 0)
@@ -414,7 +423,6 @@ class StepCostModel:
 class Allocation:
     verify: list[list[int]]   # per request: the verify node indices kept (ascending)
     draft: list[int]          # per request: draft rows kept
-    expected_tokens: float
     rows: int
     pays: bool = False        # the trees beat plain decoding even counting their drafting
     # what the budget expected (unscaled by ``Calibration``): accepted tokens per request
@@ -473,10 +481,9 @@ def allocate(values: list[list[float]], parents: list[list[int]], draft_values: 
     keep_v: list[list[int]] = [[] for _ in values]
     keep_d = [0] * len(values)
     expected = [0.0] * len(values)
-    total, worth = 0.0, 0.0
+    worth = 0.0
     for v, _, r, kind, i in items[:best_k]:
         worth -= v
-        total -= v / w[r]
         if kind == 0:
             expected[r] -= v / w[r]
             keep_v[r].append(i)
@@ -493,7 +500,7 @@ def allocate(values: list[list[float]], parents: list[list[int]], draft_values: 
     worth *= token_ratio
     pays = best_k > 0 and (base + worth) / (
         (base + worth) / best_rate + drafting_ms) > plain_rate
-    return Allocation(keep_v, keep_d, num_requests + total, base_rows + best_k, pays=pays,
+    return Allocation(keep_v, keep_d, base_rows + best_k, pays=pays,
                       expected=expected, step_ms=step_ms[best_k] + best_trees * per_tree)
 
 
@@ -617,6 +624,17 @@ class TreeBudget:
 
     def observe(self, req_id: str, tree: FlatTree, accepted: list[int]) -> None:
         self.acceptance.observe(req_id, tree, accepted)
+
+    def observe_step(self, rows: int, forward_ms: float, overhead_ms: float | None,
+                     trees: int, requests: int, nodes: int, predicted_ms: float,
+                     taken_ms: float) -> None:
+        """One step's times (``StepCostModel.observe``), and for a decode-only step with
+        trees what the sizing predicted against what it took (a prefill beside the trees is
+        no error of the estimate)."""
+        self.cost.observe(rows, forward_ms, overhead_ms, trees=trees, requests=requests,
+                          nodes=nodes)
+        if trees and overhead_ms is not None and decode_only(rows, requests, nodes):
+            self.calibration.observe_time(requests, predicted_ms, taken_ms)
 
     def forget(self, req_id: str) -> None:
         self.acceptance.forget(req_id)

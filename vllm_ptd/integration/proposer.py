@@ -323,17 +323,11 @@ class TreeProposer:
         if self.budget is not None and record["forward_ms"] > 0:
             # drafting is charged by the budget where it is known, not as step overhead
             overhead = record["wall_ms"] - record["forward_ms"] - record["drafting_ms"]
-            if record["trees"] and overhead < IDLE_GAP_MS and \
-                    record["rows"] == record["requests"] + record["nodes"]:
-                # decode-only steps: the budget sizes trees beside decoding rows, and a
-                # prefill beside them is no error of its estimate
-                self.budget.calibration.observe_time(
-                    record["requests"], record["predicted_ms"],
-                    record["wall_ms"] - record["drafting_ms"])
-            self.budget.cost.observe(record["rows"], record["forward_ms"],
+            self.budget.observe_step(record["rows"], record["forward_ms"],
                                      overhead if overhead < IDLE_GAP_MS else None,
-                                     trees=record["trees"], requests=record["requests"],
-                                     nodes=record["nodes"])
+                                     record["trees"], record["requests"], record["nodes"],
+                                     record["predicted_ms"],
+                                     record["wall_ms"] - record["drafting_ms"])
             if self.budget.cost.samples % SAVE_COST_EVERY_STEPS == 0:
                 self.budget.cost.save()
         if self.trace is not None:
