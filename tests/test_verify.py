@@ -1,12 +1,10 @@
 """Greedy and sampling tree walks."""
-import random
 
 import pytest
 import torch
 
-from vllm_ptd.tree import FlatTree, TreeBatch
-from vllm_ptd.verify import (batch_walk_lists, greedy_walk, greedy_walk_batch, sampling_walk,
-                             target_probs)
+from vllm_ptd.tree import FlatTree
+from vllm_ptd.verify import greedy_walk, sampling_walk, target_probs
 
 # root -> 0:5 -> {2:7, 3:8 -> 4:9}; root -> 1:6
 CRAFTED = FlatTree([5, 6, 7, 8, 9], [-1, -1, 0, 0, 3])
@@ -34,50 +32,11 @@ def test_greedy_never_accepts_draft_nodes():
     assert greedy_walk(t, 5, [8, 0, 1, 2]) == ([0], [5, 8])
     t2 = FlatTree([4, 5], [-1, -1], num_verify=1)
     assert greedy_walk(t2, 5, [0, 0]) == ([], [5])
-    # the batched walk agrees
-    b = TreeBatch.from_trees([t, t2])
-    rows = torch.tensor([5, 8, 0, 1, 2] + [5, 0, 0])
-    assert batch_walk_lists(*greedy_walk_batch(b, rows)) == [([0], [5, 8]), ([], [5])]
 
 
 def test_greedy_duplicate_siblings_lowest_index_wins():
     t = FlatTree([3, 3, 4, 9], [-1, -1, 1, 0])
     assert greedy_walk(t, 3, [9, 4, 1, 2]) == ([0, 3], [3, 9, 2])
-
-
-def _random_tree(rng, n, vocab):
-    nv = rng.randint(0, n)
-    parents = [rng.randrange(-1, i) if i > 0 else -1 for i in range(n)]
-    return FlatTree([rng.randrange(vocab) for _ in range(n)], parents, nv,
-                    nv if rng.random() < 0.5 else -1)
-
-
-def test_greedy_batch_equals_single_on_random_trees():
-    rng = random.Random(0)
-    gen = torch.Generator().manual_seed(0)
-    matched_deep = 0
-    for _ in range(100):
-        trees = [_random_tree(rng, rng.randint(0, 14), 3) for _ in range(rng.randint(1, 6))]
-        b = TreeBatch.from_trees(trees)
-        argmax = torch.randint(0, 3, (b.num_nodes + b.batch_size,), generator=gen)
-        got = batch_walk_lists(*greedy_walk_batch(b, argmax))
-        row = 0
-        for t, g in zip(trees, got):
-            a = argmax[row: row + 1 + t.num_nodes].tolist()
-            row += 1 + t.num_nodes
-            want = greedy_walk(t, a[0], a[1:])
-            assert g == want
-            matched_deep += len(want[0]) >= 2
-    assert matched_deep > 10  # the random trees exercise multi-level acceptance
-
-
-def test_greedy_batch_tensor_layout():
-    b = TreeBatch.from_trees([CRAFTED, FlatTree()])
-    argmax = torch.tensor([5, 8, 0, 0, 9, 11, 7])
-    k, acc, com = greedy_walk_batch(b, argmax)
-    assert k.tolist() == [3, 0]
-    assert acc.tolist() == [[0, 3, 4], [-1, -1, -1]]
-    assert com.tolist() == [[5, 8, 9, 11], [7, -1, -1, -1]]
 
 
 # ---------------------------------------------------------------------- sampling

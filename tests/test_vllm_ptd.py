@@ -80,6 +80,14 @@ def _plain_jobs(work):
     return jobs
 
 
+def _edited_params(banned_word: str):
+    # (vLLM refuses logit_bias and min_p with speculative decoding)
+    from vllm import SamplingParams
+
+    return [SamplingParams(temperature=0, max_tokens=24, bad_words=[banned_word]),
+            SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3)]
+
+
 @pytest.fixture(scope="module")
 def plain(engine_env, model_path, work):
     """Greedy plain-decoding outputs of every baseline, from one engine (then shut down)."""
@@ -98,6 +106,13 @@ def plain(engine_env, model_path, work):
                           SamplingParams(temperature=0, max_tokens=32, logprobs=2),
                           use_tqdm=False)[0].outputs[0]
         got[("logprobs", 0)] = (list(lp.token_ids), lp.logprobs)
+        # requests whose logits vLLM's sampler edits: the first word greedy picks made a
+        # bad word, and a repetition penalty
+        got["banned"] = llm.get_tokenizer().decode([lp.token_ids[0]])
+        edited = llm.generate([TokensPrompt(prompt_token_ids=work["code"][2])] * 2,
+                              _edited_params(got["banned"]), use_tqdm=False)
+        got[("bad_word", 0)], got[("penalty", 0)] = [list(o.outputs[0].token_ids)
+                                                     for o in edited]
         return got
     finally:
         _shutdown(llm)
@@ -313,6 +328,28 @@ class TestPTD:
             for tok in w:
                 assert abs(g[tok].logprob - w[tok].logprob) < 1e-3, f"token {i}"
 
+    def test_edited_logits_beside_trees(self, llm, engine_env, plain, work):
+        """Requests whose logits vLLM's sampler edits (a bad word, a repetition penalty)
+        decode without a tree beside requests with trees, through vLLM's sampler: the
+        verify step's shortcut for plain-argmax requests must not take them."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        engine_env.mark()
+        prompts = [work["code"][2]] * 2 + [work["code"][0], work["mixed"][1]]
+        params = _edited_params(plain["banned"]) + \
+            [SamplingParams(temperature=0, max_tokens=32)] * 2
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                            use_tqdm=False)
+        trace = engine_env.since_mark()
+        _flush(llm)
+        assert trace, "no tree verified beside the edited requests"
+        assert not {o.request_id for o in outs[:2]} & {t["req"] for t in trace}
+        assert list(outs[0].outputs[0].token_ids) == plain[("bad_word", 0)]
+        assert plain[("bad_word", 0)][0] != plain[("logprobs", 0)][0][0]
+        assert list(outs[1].outputs[0].token_ids) == plain[("penalty", 0)]
+        assert plain[("penalty", 0)] != plain[("logprobs", 0)][0][:24]
+
     def test_abort_mid_generation(self, llm, plain, work):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -392,6 +429,54 @@ class TestSmallEngine:
         out = llm.generate([TokensPrompt(prompt_token_ids=work["code"][0])],
                            SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
         assert list(out.outputs[0].token_ids) == plain[("next", 0)]
+
+    def test_arrival_opens_the_batch(self, llm, plain, work):
+        """A request that arrives while another runs (a server's next client) opens the
+        batch: from then on every token counts the same (no batch's-end weights) until the
+        engine is idle again; outputs stay those of plain decoding."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        proposer, engine = _proposer(llm), llm.llm_engine
+        seen = []
+        real = proposer._batch_end_weights
+
+        def recording(ready_b):
+            weights = real(ready_b)
+            seen.append((proposer._open_batch, weights))
+            return weights
+
+        def add(i):
+            engine.add_request(f"arrival-{i}",
+                               TokensPrompt(prompt_token_ids=work["preempt"][i]),
+                               SamplingParams(temperature=0, max_tokens=PREEMPT_TOKENS))
+
+        proposer._batch_end_weights = recording
+        got: dict[str, list[int]] = {}
+        try:
+            add(0)
+            for _ in range(4):
+                for o in engine.step():
+                    got[o.request_id] = list(o.outputs[0].token_ids)
+            closed = list(seen)
+            add(1)
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    got[o.request_id] = list(o.outputs[0].token_ids)
+        finally:
+            del proposer._batch_end_weights
+        assert got["arrival-0"] == plain[("preempt", 0)]
+        assert got["arrival-1"] == plain[("preempt", 1)]
+        assert closed and all(not open_ and w is not None for open_, w in closed)
+        opened = seen[len(closed):]
+        assert opened and all(open_ and w is None for open_, w in opened)
+        _flush(llm)
+        # idle again: the next batch, added before its first step, is closed
+        llm.generate([TokensPrompt(prompt_token_ids=work["code"][0])],
+                     SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        assert proposer._open_batch is False
+        _flush(llm)
+        assert proposer.num_tracked() == 0
 
     def test_preemption(self, llm, plain, work):
         from vllm import SamplingParams

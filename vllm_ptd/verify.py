@@ -5,8 +5,7 @@ nodes ride along in the same forward for drafting and are never part of the acce
 
 Greedy (paper 3.2): from the root, follow the child whose token is the target's argmax at the
 current node; the committed tokens are the accepted tokens plus the argmax at the last
-accepted node (the bonus). Among duplicate sibling tokens the lowest index wins, in both the
-per-request walk and the batched one, so the two agree exactly.
+accepted node (the bonus). Among duplicate sibling tokens the lowest index wins.
 
 Sampling (paper App. E, proof App. F): at node v with children c1..cm the walk draws
 r ~ U(0,1) per child and accepts the first child with r < P(ci), where P is v's target
@@ -20,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from vllm_ptd.tree import FlatTree, TreeBatch
+from vllm_ptd.tree import FlatTree
 
 # A child whose token holds all the remaining mass (up to float64 rounding) is accepted
 # outright: the exact walk accepts it with probability 1, while rounding could make
@@ -55,70 +54,6 @@ def greedy_walk(tree: FlatTree, root_argmax: int,
     committed = [toks[i] for i in accepted]
     committed.append(want)
     return accepted, committed
-
-
-def greedy_walk_batch(batch: TreeBatch, argmax: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy acceptance on a packed batch, vectorised over nodes (one loop over depth).
-
-    ``argmax``: [N + B] target argmax over packed rows; request b owns rows
-    ``offsets[b] + b`` (its root) then one row per node. Returns
-
-    * ``num_accepted`` [B] int64: accepted node count k_b,
-    * ``accepted`` [B, D] int64: local node indices root-to-leaf, padded with -1,
-    * ``committed`` [B, D + 1] int64: accepted tokens then the bonus, padded with -1,
-
-    with D the deepest verify node in the batch (0 if none). ``batch_walk_lists`` turns this
-    into ``greedy_walk``'s per-request lists."""
-    dev = argmax.device
-    B, N = batch.batch_size, batch.num_nodes
-    offsets = batch.offsets.to(dev, torch.int64)
-    counts = offsets[1:] - offsets[:-1]
-    req = torch.repeat_interleave(torch.arange(B, device=dev), counts)  # [N]
-    gidx = torch.arange(N, device=dev)
-    local = gidx - offsets[req]
-    parents = batch.parents.to(dev, torch.int64)
-    depths = batch.depths.to(dev, torch.int64)
-    tokens = batch.tokens.to(dev, torch.int64)
-    argmax = argmax.to(torch.int64)
-    root_row = offsets[:-1] + torch.arange(B, device=dev)
-    # a node's parent row: its request's root row, or the parent's node row
-    parent_row = torch.where(parents < 0, root_row[req], offsets[req] + parents + req + 1)
-    eligible = local < batch.num_verify.to(dev, torch.int64)[req]
-    match = eligible & (tokens == argmax[parent_row])
-    parent_g = torch.where(parents < 0, torch.full_like(parents, -1), offsets[req] + parents)
-
-    depth_max = int(depths[eligible].max()) if bool(eligible.any()) else 0
-    cur = torch.full((B,), -1, dtype=torch.int64, device=dev)  # accepted global node, -1 = root
-    num_acc = torch.zeros(B, dtype=torch.int64, device=dev)
-    accepted = torch.full((B, depth_max), -1, dtype=torch.int64, device=dev)
-    committed = torch.full((B, depth_max + 1), -1, dtype=torch.int64, device=dev)
-    for d in range(1, depth_max + 1):
-        # a level-d node continues the path iff it matches and hangs under the node accepted
-        # at level d-1; the lowest global index among them is the lowest sibling index
-        cand = match & (depths == d) & (parent_g == cur[req])
-        pick = torch.full((B,), N, dtype=torch.int64, device=dev)
-        pick.scatter_reduce_(0, req[cand], gidx[cand], reduce="amin")
-        found = pick < N
-        if not bool(found.any()):
-            break
-        safe = torch.where(found, pick, torch.zeros_like(pick))
-        accepted[:, d - 1] = torch.where(found, local[safe], accepted[:, d - 1])
-        committed[:, d - 1] = torch.where(found, tokens[safe], committed[:, d - 1])
-        cur = torch.where(found, pick, cur)
-        num_acc += found.to(torch.int64)
-    bonus_row = torch.where(cur < 0, root_row, cur + torch.arange(B, device=dev) + 1)
-    committed.scatter_(1, num_acc.unsqueeze(1), argmax[bonus_row].unsqueeze(1))
-    return num_acc, accepted, committed
-
-
-def batch_walk_lists(num_accepted: torch.Tensor, accepted: torch.Tensor,
-                     committed: torch.Tensor) -> list[tuple[list[int], list[int]]]:
-    """``greedy_walk_batch``'s tensors as per-request (accepted, committed) lists."""
-    ks = num_accepted.tolist()
-    acc = accepted.tolist()
-    com = committed.tolist()
-    return [(acc[b][:k], com[b][:k + 1]) for b, k in enumerate(ks)]
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0,

