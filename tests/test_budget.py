@@ -335,8 +335,10 @@ def test_calibration_corrects_what_came_out_brighter_than_estimated():
         cal.observe_time(5, 80.0, 92.0)       # same bucket (4-7): 15 % longer
         cal.observe_tokens(6, 2.0, 1.6)       # 80 % of the tokens
         cal.observe_time(1, 50.0, 50.0)       # batch 1 as predicted
-    assert cal.time_ratio(4) == pytest.approx(1.15, abs=0.01)
-    assert cal.token_ratio(7) == pytest.approx(0.8, abs=0.01)
+    # the last ~MEMORY steps count, shrunk by PRIOR_STEPS steps as estimated
+    m, k = Calibration.MEMORY, Calibration.PRIOR_STEPS
+    assert cal.time_ratio(4) == pytest.approx((m * 92 + k * 80) / ((m + k) * 80), abs=0.01)
+    assert cal.token_ratio(7) == pytest.approx((m * 1.6 + k * 2) / ((m + k) * 2), abs=0.01)
     assert cal.time_ratio(1) == pytest.approx(1.0) and cal.token_ratio(16) == 1.0
     cal.observe_tokens(2, 0.0, 3.0)           # nothing expected: nothing learnt
     assert cal.token_ratio(2) == 1.0
@@ -353,6 +355,16 @@ def test_calibration_corrects_what_came_out_brighter_than_estimated():
     calibrated = allocate(values, parents, [0.0] * 4, [0] * 4, 4, 4, cost,
                           time_ratio=cal.time_ratio(4), token_ratio=cal.token_ratio(4))
     assert calibrated.verify[0] == [] and not calibrated.pays
+
+
+def test_calibration_forgets_a_bad_start():
+    cal = Calibration()
+    for _ in range(65):
+        cal.observe_tokens(4, 0.85, 0.05)      # a bad stretch: trees rejected
+    assert cal.token_ratio(4) == Calibration.BOUNDS[0]
+    for _ in range(Calibration.MEMORY * 3):
+        cal.observe_tokens(4, 1.0, 0.9)        # later trees come out near their estimate
+    assert cal.token_ratio(4) == pytest.approx(0.9, abs=0.03)
 
 
 def test_a_step_mixing_a_prefill_with_trees_is_no_error_of_the_sizing():
