@@ -380,38 +380,43 @@ class TreeProposer:
         sm = self.runner.input_batch.sampling_metadata
         num_draft = np.asarray(spec_meta.num_draft_tokens, dtype=np.int64)
         out = np.full((len(num_draft), int(num_draft.max()) + 1), -1, dtype=np.int32)
-        logprobs = self._sample_untreed(logits, spec_meta, orig_sample, step, sm, out)
         # logits row of each request's root: requests own num_draft + 1 consecutive rows
         logits_start = np.cumsum(num_draft + 1) - (num_draft + 1)
+        # the target's argmax at every row, once: the tree rows' (the greedy walk's input
+        # and what PTD's draft rows predicted) and the plain requests' (their token, when
+        # vLLM's sampler would take nothing else)
+        argmax = logits.argmax(dim=-1).cpu().numpy()
+        logprobs = self._sample_untreed(logits, spec_meta, orig_sample, step, sm, out,
+                                        argmax[logits_start])
         root_rows = logits_start[step.batch_indices]
-        argmax = self._tree_argmax(logits, step, root_rows)
-        walks = self._walk(logits, step, sm, root_rows, argmax)
+        tree_argmax = [argmax[r: r + 1 + t.num_nodes].tolist()
+                       for r, t in zip(root_rows, step.trees)]
+        walks = self._walk(logits, step, sm, root_rows, tree_argmax)
         for i, (_, committed) in enumerate(walks):
             out[step.batch_indices[i], : len(committed)] = committed
-        self._record(step, argmax, walks)
+        self._record(step, tree_argmax, walks)
         move_kv(step, *accepted_kv_moves(step, [accepted for accepted, _ in walks]))
         return SamplerOutput(sampled_token_ids=torch.from_numpy(out).to(logits.device),
                              logprobs_tensors=logprobs)
 
     @staticmethod
-    def _sample_untreed(logits, spec_meta, orig_sample, step: TreeStep, sm, out: np.ndarray):
+    def _sample_untreed(logits, spec_meta, orig_sample, step: TreeStep, sm, out: np.ndarray,
+                        first_row_argmax: np.ndarray):
         """Requests without a tree go through vLLM's own sampler, unchanged, and so do their
         logprobs: returned in vLLM's layout (one row per request and output column), the
         step's ``logprobs_tensors``. The sampler also draws for the tree requests (as
         chains); their seeded generators are kept untouched, and their logprobs rows are
         never read (a request that asks for logprobs gets no tree). Where the sampler would
-        only take each row's argmax (``_plain_argmax_samples``), that argmax is taken
-        without it."""
+        only take each row's argmax (``_plain_argmax_samples``), that argmax
+        (``first_row_argmax``: each request's first logits row) is their token."""
         tree_b = set(step.batch_indices)
         if len(tree_b) == out.shape[0] and sm.max_num_logprobs is None:
             return None
         keep = [b for b in range(out.shape[0]) if b not in tree_b]
         if _plain_argmax_samples(sm, spec_meta, keep):
-            # what vLLM's sampler would do for them: the argmax of each one's single row,
+            # each of them has a single row (no drafts): what vLLM's sampler would return,
             # without running it (and its copy of the logits) over every row of the step
-            rows = np.cumsum(np.asarray(spec_meta.num_draft_tokens, dtype=np.int64) + 1) - 1
-            index = torch.from_numpy(rows[keep]).to(logits.device)
-            out[keep, 0] = logits[index].float().argmax(dim=-1).cpu().numpy()
+            out[keep, 0] = first_row_argmax[keep]
             return None
         saved = {b: sm.generators[b].get_state() for b in step.batch_indices if b in sm.generators}
         theirs = orig_sample(logits.clone(), spec_meta)
@@ -421,25 +426,13 @@ class TreeProposer:
         return theirs.logprobs_tensors
 
     @staticmethod
-    def _tree_argmax(logits: torch.Tensor, step: TreeStep, root_rows: np.ndarray) -> torch.Tensor:
-        """The target's argmax at every tree row ([root, nodes...] per request, packed): the
-        greedy walk's input and what PTD's draft rows predicted."""
-        lengths = np.array([t.num_nodes + 1 for t in step.trees], dtype=np.int64)
-        first = np.cumsum(lengths) - lengths
-        rows = np.repeat(root_rows - first, lengths) + np.arange(int(lengths.sum()))
-        return logits[torch.from_numpy(rows).to(logits.device)].argmax(dim=-1).cpu()
-
-    @staticmethod
-    def _walk(logits, step: TreeStep, sm, root_rows, argmax) -> list[tuple[list[int], list[int]]]:
-        """(accepted node indices, committed tokens) per tree request: the greedy walk on
-        the host (``argmax`` is there already; a walk visits a few nodes, so a Python loop
-        per request takes microseconds where batched tensor ops took 0.3-0.8 ms), then the
-        sampling walk for requests that sample."""
-        arg = argmax.tolist()
-        walks, pos = [], 0
-        for tree in step.trees:
-            walks.append(greedy_walk(tree, arg[pos], arg[pos + 1: pos + 1 + tree.num_nodes]))
-            pos += tree.num_nodes + 1
+    def _walk(logits, step: TreeStep, sm, root_rows,
+              tree_argmax: list[list[int]]) -> list[tuple[list[int], list[int]]]:
+        """(accepted node indices, committed tokens) per tree request (``tree_argmax[i]``:
+        the argmax at its root then at each node): the greedy walk on the host (a walk
+        visits a few nodes, so a Python loop per request takes microseconds where batched
+        tensor ops took 0.3-0.8 ms), then the sampling walk for requests that sample."""
+        walks = [greedy_walk(tree, am[0], am[1:]) for tree, am in zip(step.trees, tree_argmax)]
         if sm.all_greedy or sm.temperature is None:
             return walks
         temps = sm.temperature.cpu().tolist()
@@ -453,21 +446,18 @@ class TreeProposer:
             walks[i] = sampling_walk(tree, probs, sm.generators.get(b))
         return walks
 
-    def _record(self, step: TreeStep, argmax: torch.Tensor, walks) -> None:
+    def _record(self, step: TreeStep, tree_argmax: list[list[int]], walks) -> None:
         """Each request's StepOutcome for ``propose``, the metrics and the trace (on the
         drafting rank)."""
         if not self.is_driver:
             return
-        arg = argmax.tolist()
-        pos = 0
         expected = accepted_total = 0.0
         for i, (req_id, tree) in enumerate(zip(step.req_ids, step.trees)):
             n = tree.num_nodes
             accepted, committed = walks[i]
-            self.outcomes[req_id] = StepOutcome(tree=tree, root_argmax=arg[pos],
-                                                node_argmax=arg[pos + 1: pos + 1 + n],
+            self.outcomes[req_id] = StepOutcome(tree=tree, root_argmax=tree_argmax[i][0],
+                                                node_argmax=tree_argmax[i][1:],
                                                 accepted=accepted, committed=committed)
-            pos += n + 1
             self.metrics.record(committed=len(committed), accepted=len(accepted),
                                 verify_rows=tree.num_verify, draft_rows=n - tree.num_verify)
             if self.budget is not None:
