@@ -80,6 +80,19 @@ def _plain_jobs(work):
     return jobs
 
 
+def _generate_traced(llm, engine_env, prompts, params):
+    """The outputs of one ``generate`` and the trace records (requests with a tree) it
+    left; the engine is flushed after it."""
+    from vllm.inputs import TokensPrompt
+
+    engine_env.mark()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                        use_tqdm=False)
+    trace = engine_env.since_mark()
+    _flush(llm)
+    return outs, trace
+
+
 def _edited_params(banned_word: str):
     # (vLLM refuses logit_bias and min_p with speculative decoding)
     from vllm import SamplingParams
@@ -307,16 +320,11 @@ class TestPTD:
         requests verify trees: it gets plain decoding's tokens and a logprobs entry for every
         token (the verify step passes vLLM's own logprobs rows through)."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
-        engine_env.mark()
         prompts = [work["code"][2], work["code"][0], work["mixed"][1], work["mixed"][2]]
         params = [SamplingParams(temperature=0, max_tokens=32, logprobs=2)] + \
             [SamplingParams(temperature=0, max_tokens=32)] * 3
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                            use_tqdm=False)
-        trace = engine_env.since_mark()
-        _flush(llm)
+        outs, trace = _generate_traced(llm, engine_env, prompts, params)
         assert trace, "no tree verified beside the logprobs request"
         assert outs[0].request_id not in {t["req"] for t in trace}
         want_tokens, want_lp = plain[("logprobs", 0)]
@@ -333,16 +341,11 @@ class TestPTD:
         decode without a tree beside requests with trees, through vLLM's sampler: the
         verify step's shortcut for plain-argmax requests must not take them."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
-        engine_env.mark()
         prompts = [work["code"][2]] * 2 + [work["code"][0], work["mixed"][1]]
         params = _edited_params(plain["banned"]) + \
             [SamplingParams(temperature=0, max_tokens=32)] * 2
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                            use_tqdm=False)
-        trace = engine_env.since_mark()
-        _flush(llm)
+        outs, trace = _generate_traced(llm, engine_env, prompts, params)
         assert trace, "no tree verified beside the edited requests"
         assert not {o.request_id for o in outs[:2]} & {t["req"] for t in trace}
         assert list(outs[0].outputs[0].token_ids) == plain[("bad_word", 0)]
