@@ -542,8 +542,9 @@ def test_candidates_merge_suffix_and_pool_with_scores_and_groups():
     tree = FlatTree(cand.tokens, cand.parents)
     paths = {tuple(tree.tokens[j] for j in tree.path_to(i)): (cand.scores[i], cand.groups[i])
              for i in range(tree.num_nodes)}
-    assert paths[(4,)] == (1.0, 2)          # the suffix match's continuation, group = length
-    assert paths[(4, 6)] == (1.0, 2)
+    # the suffix match's continuation, group = length; seen once: (1 + 1) / (1 + 2)
+    assert paths[(4,)] == (pytest.approx(2 / 3), 2)
+    assert paths[(4, 6)] == (pytest.approx(2 / 3), 2)
     assert paths[(8,)][1] == POOL_GROUP     # only in the pool
     assert paths[(4, 5)][1] == POOL_GROUP   # under a suffix node, but only the pool has it
     assert cand.tokens[0] == 4              # the suffix path ranks first

@@ -2,8 +2,11 @@
 continuations of the longest earlier match of the text's suffix.
 
 Every node gets the estimate that it is accepted given its parent is (``score``): for a
-suffix continuation, the share of the matched occurrences that went on with its token; for a
-pool node, its visit-count share (``CandidatePool.children_shares``). Its ``group`` says
+suffix continuation, the rule of succession over the matched occurrences, ``(c + 1) / (n +
+2)`` for c of n that went on with its token (a continuation seen once is no certainty: its
+raw share of 1 put it in the bin of continuations seen ten times, and the budget valued it
+so); for a pool node, its visit-count share (``CandidatePool.children_shares``). Selection
+still ranks suffix continuations by their raw share. Its ``group`` says
 where it came from: the match length (2..``MAX_GROUP``) for suffix continuations, 0 for the
 pool. Selection is best-first by the product of scores along the path, pool nodes weighted
 by ``pool_weight`` (a suffix match is better evidence than one shared token); the budget
@@ -43,18 +46,19 @@ def build_candidates(pool: CandidatePool, last_token: int, match: SuffixMatch | 
         nonlocal seq
         kids: dict[int, list] = {}
         if suffix_node is not None and suffix_node.count:
+            n = suffix_node.count
             for tok, c in suffix_node.children.items():
-                kids[tok] = [c, c.count / suffix_node.count, -1, 0.0, 0]
+                kids[tok] = [c, c.count / n, -1, 0.0, 0, (c.count + 1) / (n + 2)]
         if pool_node >= 0:
             for tok, child, share, src in pool.children_shares(pool_node):
                 entry = kids.get(tok)
                 if entry is None:
-                    kids[tok] = [None, 0.0, child, share, src]
+                    kids[tok] = [None, 0.0, child, share, src, 0.0]
                 else:
                     entry[2], entry[3], entry[4] = child, share, src
-        for tok, (sc, s_share, pc, p_share, src) in kids.items():
+        for tok, (sc, s_share, pc, p_share, src, s_score) in kids.items():
             if sc is not None:
-                item = (rank * s_share, s_share, group, False)
+                item = (rank * s_share, s_score, group, False)
             else:
                 item = (rank * p_share * pool_weight, p_share, POOL_GROUP, src == FROM_DRAFT)
             heapq.heappush(heap, (-item[0], seq, tok, sc, pc, parent, item))
