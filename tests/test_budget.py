@@ -8,7 +8,7 @@ import random
 import pytest
 
 from vllm_ptd.budget import (AcceptanceModel, Calibration, StepCostModel, TreeBudget, allocate,
-                             makespan_weights, monotone, score_bin)
+                             makespan_weights, monotone)
 from vllm_ptd.tree import FlatTree
 
 
@@ -17,6 +17,7 @@ def linear_cost(base: float, per_row: float, overhead: float = 0.0) -> StepCostM
     for rows in (1, 2, 4, 8, 16, 32, 64):
         for _ in range(3):
             cost.observe(rows, base + per_row * (rows - 1), overhead)
+    cost.observe(1, base, overhead, requests=1, nodes=0)  # a plain step of one request
     return cost
 
 
@@ -95,18 +96,34 @@ def test_acceptance_model_calibrates_per_group_and_bin():
     for _ in range(50):
         acc.observe("r", good, [0, 1, 2, 3])  # every node of group 5 accepted
         acc.observe("r", bad, [])             # group 0: the first node rejected
-    assert acc.conditional("r", [0.8], [5])[0] > 0.95
-    assert acc.conditional("r", [0.8], [0])[0] < 0.05
+    assert acc.conditional("r", [0.8], [5], [1])[0] > 0.95
+    assert acc.conditional("r", [0.8], [0], [1])[0] < 0.05
     # nodes under a rejected parent were never looked at: no evidence about them
-    assert acc.engine[(0, score_bin(0.8))][1] == 50
+    assert acc.engine[acc.key(0, 0.8, 1)][1] == 50
+    assert acc.key(0, 0.8, 2) not in acc.engine
     # another request starts from the engine-wide estimate
-    assert acc.conditional("new", [0.8], [5])[0] > 0.9
+    assert acc.conditional("new", [0.8], [5], [1])[0] > 0.9
     # unconditional = product along the path
     p = acc.unconditional("r", FlatTree([1, 2, 3], [-1, 0, -1], scores=[0.8] * 3,
                                         groups=[5, 0, 5]))
-    assert p[1] == pytest.approx(p[0] * acc.conditional("r", [0.8], [0])[0])
+    assert p[1] == pytest.approx(p[0] * acc.conditional("r", [0.8], [0], [2])[0])
     acc.forget("r")
     assert "r" not in acc.requests
+
+
+def test_acceptance_model_tells_the_first_node_from_its_continuation():
+    """A copied continuation either diverges at its first node or mostly goes on: 20 long
+    chains accepted whole and 20 rejected at once. Pooled over depths, the first node was
+    valued by the continuations' hits (0.95); apart, by its own (about one half)."""
+    acc = AcceptanceModel()
+    tree = chain(12, 1.0, group=8)
+    for _ in range(20):
+        acc.observe("r", tree, list(range(12)))
+        acc.observe("r", tree, [])
+    first, second, deep = acc.conditional("r", [1.0] * 3, [8] * 3, [1, 2, 7])
+    assert 0.4 < first < 0.6
+    assert second > 0.9 and deep > 0.95
+    assert sum(acc.unconditional("r", tree)) < 0.6 * 12
 
 
 def test_allocate_sizes_trees_to_what_pays():
@@ -235,6 +252,22 @@ def test_host_time_per_tree_is_learnt_and_charged(tmp_path):
 
 
 
+def test_no_tree_where_a_plain_step_of_the_batch_size_is_unknown():
+    """A tree step is costed as a plain step of its batch plus its rows: before a plain step
+    of 16 requests was measured (or can be interpolated between batch sizes measured around
+    it) no tree goes out, and that is no miss of the drafting."""
+    cost = linear_cost(50.0, 0.1)
+    budget = TreeBudget(cost)
+    sure = [chain(3, 1.0) for _ in range(16)]
+    out = budget.size([f"r{i}" for i in range(16)], sure, base_rows=16, num_requests=16)
+    assert all(t.num_nodes == 0 for t in out) and budget.should_draft()
+    assert cost.plain_forward_ms(16) is None
+    cost.observe(32, 60.0, 0.0, requests=32, nodes=0)
+    assert cost.plain_forward_ms(16) == pytest.approx(50.0 + 10.0 * 15 / 31)
+    out = budget.size([f"r{i}" for i in range(16)], sure, base_rows=16, num_requests=16)
+    assert all(t.num_nodes == 3 for t in out)
+
+
 def test_a_tree_that_only_just_pays_on_paper_is_not_sent():
     from vllm_ptd.budget import MARGIN
 
@@ -324,6 +357,38 @@ def test_tree_rows_are_costed_at_the_batch_size_they_run_in(tmp_path):
     cost.save(tmp_path / "cost.json")
     again = StepCostModel(path=tmp_path / "cost.json")
     assert again.step_ms(12, requests=4) == pytest.approx(78.0)
+
+
+def test_tree_rows_measured_once_per_node_count_still_make_the_curve():
+    """At 16 requests trees go out on few steps, each with another node count: every such
+    step is a point of the batch size's tree-row curve, not only counts seen twice (the
+    curve over all steps, made cheap by prefill rows, had priced them a fifth low)."""
+    cost = StepCostModel(prior_slope=0.0)
+    for _ in range(5):
+        cost.observe(16, 80.0, 0.0, requests=16, nodes=0)
+        cost.observe(216, 120.0, 0.0, requests=16, nodes=None)  # a prefill of 200 rows
+    for nodes in (11, 15, 30, 42):  # 3 ms a tree row, each count once
+        cost.observe(16 + nodes, 80.0 + 3.0 * nodes, 0.0, trees=2, requests=16, nodes=nodes)
+    assert cost.step_ms(16 + 20, requests=16) == pytest.approx(80.0 + 60.0)
+    assert cost.step_ms(16 + 50, requests=16) == pytest.approx(80.0 + 150.0)
+    # the last two counts measured out of order pool into a flat end: past it the cost
+    # still grows, along the chord from no tree rows
+    cost.observe(16 + 60, 80.0 + 150.0, 0.0, trees=2, requests=16, nodes=60)
+    cost.observe(16 + 50, 80.0 + 170.0, 0.0, trees=2, requests=16, nodes=50)
+    assert cost.step_ms(16 + 60, requests=16) == pytest.approx(80.0 + 160.0)
+    assert cost.step_ms(16 + 120, requests=16) == pytest.approx(80.0 + 160.0 * 2)
+
+
+def test_a_first_tree_step_at_a_batch_size_costs_rows_as_decoding_requests():
+    """Before any tree step at 16 requests, a tree row is priced at least at what one more
+    decoding request adds (the chord of the plain steps), not below it by the curve over
+    all steps, which prefill rows make cheap."""
+    cost = StepCostModel(prior_slope=0.0)
+    for _ in range(5):
+        cost.observe(1, 50.0, 0.0, requests=1, nodes=0)
+        cost.observe(16, 110.0, 0.0, requests=16, nodes=0)
+        cost.observe(216, 150.0, 0.0, requests=16, nodes=None)  # a prefill of 200 rows
+    assert cost.step_ms(16 + 30, requests=16) == pytest.approx(110.0 + 4.0 * 30)
 
 
 def test_calibration_corrects_what_came_out_brighter_than_estimated():

@@ -74,8 +74,25 @@ def score_bin(q: float) -> int:
     return bisect.bisect_right(SCORE_BINS, q)
 
 
+def depth_class(depth: int) -> int:
+    """Depth 1 (the root's children), 2, or deeper: a node right after the committed text
+    is where a copied continuation diverges, if it does; once it agreed, the copy mostly
+    goes on. Pooled with the deeper nodes of its group and score, a depth-1 node was put
+    near certain (in a served run at 16 clients: trees whose nodes were all valued above
+    0.99 brought 68 of 175 expected tokens, 7 of 17 of them none)."""
+    return min(depth, 3)
+
+
+def node_depths(parents: list[int]) -> list[int]:
+    """Depth of every node of a flat tree (parents before children; -1: the root)."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return depth
+
+
 class AcceptanceModel:
-    """Calibrated P(node accepted | its parent accepted) per (group, score bin).
+    """Calibrated P(node accepted | its parent accepted) per (group, score bin, depth class).
 
     Estimate for a request: ``(a_r + s_r * p_e) / (n_r + s_r)`` with the request's own counts
     (a_r accepted of n_r offered) and the engine-wide estimate ``p_e = (a_e + s_e * q) /
@@ -88,15 +105,20 @@ class AcceptanceModel:
         self.engine_strength = engine_strength
         self.request_strength = request_strength
         self.max_requests = max_requests
-        self.engine: dict[tuple[int, int], list[float]] = {}
-        self.requests: dict[str, dict[tuple[int, int], list[float]]] = {}
+        self.engine: dict[tuple[int, int, int], list[float]] = {}
+        self.requests: dict[str, dict[tuple[int, int, int], list[float]]] = {}
 
-    def conditional(self, req_id: str, scores: list[float], groups: list[int]) -> list[float]:
+    @staticmethod
+    def key(group: int, score: float, depth: int) -> tuple[int, int, int]:
+        return group, score_bin(score), depth_class(depth)
+
+    def conditional(self, req_id: str, scores: list[float], groups: list[int],
+                    depths: list[int]) -> list[float]:
         own = self.requests.get(req_id, {})
         se, sr = self.engine_strength, self.request_strength
         out = []
-        for q, g in zip(scores, groups):
-            key = (g, score_bin(q))
+        for q, g, d in zip(scores, groups, depths):
+            key = self.key(g, q, d)
             a, n = self.engine.get(key, (0.0, 0.0))
             pe = (a + se * q) / (n + se)
             a, n = own.get(key, (0.0, 0.0))
@@ -108,10 +130,10 @@ class AcceptanceModel:
         nv = tree.num_verify
         if tree.scores is None or tree.groups is None:
             return [0.0] * nv
-        cond = self.conditional(req_id, tree.scores, tree.groups)
+        parents = tree.parents[:nv]
+        cond = self.conditional(req_id, tree.scores, tree.groups, node_depths(parents))
         out: list[float] = []
-        for i in range(nv):
-            p = tree.parents[i]
+        for i, p in enumerate(parents):
             out.append(cond[i] * (1.0 if p < 0 else out[p]))
         return out
 
@@ -124,11 +146,11 @@ class AcceptanceModel:
                 self.requests.pop(next(iter(self.requests)))
             own = self.requests[req_id] = {}
         on_path = set(accepted)
-        for i in range(tree.num_verify):
-            p = tree.parents[i]
+        parents = tree.parents[: tree.num_verify]
+        for i, (p, d) in enumerate(zip(parents, node_depths(parents))):
             if p >= 0 and p not in on_path:
                 continue  # never looked at
-            key = (tree.groups[i], score_bin(tree.scores[i]))
+            key = self.key(tree.groups[i], tree.scores[i], d)
             hit = 1.0 if i in on_path else 0.0
             for table in (self.engine, own):
                 cell = table.get(key)
@@ -166,9 +188,13 @@ def monotone(points: list[tuple[int, float, int]], max_weight: int = 16) -> list
     return out
 
 
-def curve_at(known: list[tuple[int, float]], x: float) -> float:
+def curve_at(known: list[tuple[int, float]], x: float, chord: bool = False) -> float:
     """The piecewise-linear curve through ``known`` (sorted (x, y), x >= its first x),
-    extended past the last point along its last slope (flat with one point)."""
+    extended past the last point along its last slope (flat with one point), or with
+    ``chord`` along the steeper of that and the chord from the first point: a cost that
+    grows at least linearly is not extended flat where the monotone fit pooled its last
+    points (a tree-row curve at 16 requests, flat past 42 nodes, priced 119 nodes at 71 ms
+    that took 490)."""
     xs = [b for b, _ in known]
     i = bisect.bisect_left(xs, x)
     if i < len(xs) and xs[i] == x:
@@ -178,7 +204,10 @@ def curve_at(known: list[tuple[int, float]], x: float) -> float:
         if len(known) < 2:
             return y
         b0, y0 = known[-2]
-        return y + max(0.0, (y - y0) / (b - b0)) * (x - b)
+        slope = (y - y0) / (b - b0)
+        if chord and b > known[0][0]:
+            slope = max(slope, (y - known[0][1]) / (b - known[0][0]))
+        return y + max(0.0, slope) * (x - b)
     if i == 0:
         return known[0][1]
     (b0, y0), (b1, y1) = known[i - 1], known[i]
@@ -270,10 +299,10 @@ class StepCostModel:
             if nodes == 0:
                 self._add(self.decode, key, forward_ms)
             else:
-                plain = self.decode.get(key)
-                if plain is not None and plain.n >= self.MIN_SAMPLES:
+                plain = self.plain_forward_ms(requests)
+                if plain is not None:
                     self._add(self.tree_rows.setdefault(self.batch_bucket(requests), {}),
-                              self.bucket(nodes), forward_ms - plain.ms)
+                              self.bucket(nodes), forward_ms - plain)
         if overhead_ms is not None and overhead_ms >= 0:
             stats = [(self.overhead, self.per_tree)]
             if requests is not None:
@@ -310,14 +339,46 @@ class StepCostModel:
     def _tree_curve(self, requests: int) -> tuple[float, list[tuple[int, float]]] | None:
         """(plain forward ms, [(tree rows, extra ms)] from (0, 0), non-decreasing) at this
         batch size, once both were measured; else None."""
-        plain = self.decode.get(self.bucket(requests))
-        if plain is None or plain.n < self.MIN_SAMPLES:
+        plain = self.plain_forward_ms(requests)
+        if plain is None:
             return None
+        # every measured node count counts (weighted by its samples in ``monotone``): at
+        # large batches trees are sent on few steps, with node counts that seldom repeat, and
+        # waiting for two samples of one count left the curve over all steps in charge, which
+        # prefill rows make cheap (in a served run at 16 clients: tree steps taken 20 % longer
+        # than predicted, throughout)
         pts = sorted((b, s.ms, s.n) for b, s in self.tree_rows.get(
-            self.batch_bucket(requests), {}).items() if s.n >= self.MIN_SAMPLES)
+            self.batch_bucket(requests), {}).items())
         if not pts:
             return None
-        return plain.ms, monotone([(0, 0.0, 1 << 30)] + pts)
+        return plain, monotone([(0, 0.0, 1 << 30)] + pts)
+
+    def plain_forward_ms(self, requests: int) -> float | None:
+        """Forward ms of a plain decode step of ``requests`` requests: measured at that
+        batch size or interpolated between the batch sizes measured around it (a step's cost
+        grows about linearly with its requests); None outside them. A tree step is costed
+        as this plus what its rows add, so without it a tree cannot be costed: in a served
+        run at 16 clients the first 14 steps carried trees before any plain step of 16 was
+        seen, priced by the curve over all steps at 120-135 ms for 11-41 nodes, and took
+        up to 255."""
+        key = self.bucket(requests)
+        st = self.decode.get(key)
+        if st is not None:
+            return st.ms
+        pts = monotone(sorted((b, s.ms, s.n) for b, s in self.decode.items()))
+        if not pts or not pts[0][0] < key < pts[-1][0]:
+            return None
+        return curve_at(pts, key)
+
+    def _decode_floor(self, requests: int) -> tuple[float, float] | None:
+        """(plain forward ms at this batch size, ms one more decoding request adds: the chord
+        from the smallest batch measured), once both were measured; else None."""
+        plain = self.plain_forward_ms(requests)
+        smaller = [(b, st.ms) for b, st in self.decode.items() if b < requests]
+        if plain is None or not smaller:
+            return None
+        b0, ms0 = min(smaller)
+        return plain, max(0.0, (plain - ms0) / (requests - b0))
 
     def forward_ms(self, rows: int, known: list[tuple[int, float]] | None = None) -> float:
         """Estimated forward ms of a step with ``rows`` rows (``known``: ``self._known()``,
@@ -342,9 +403,19 @@ class StepCostModel:
         curve = self._tree_curve(requests) if requests is not None and lo >= requests else None
         if curve is None:
             known = self._known()
-            return [self.forward_ms(r, known) for r in range(lo, hi + 1)]
+            out = [self.forward_ms(r, known) for r in range(lo, hi + 1)]
+            floor = self._decode_floor(requests) if requests is not None else None
+            if floor is not None:
+                # no tree step measured at this batch size yet: a tree row costs at least
+                # what one more decoding request adds (the curve over all steps, made cheap
+                # by prefill rows, had put a first tree step at 16 requests at 151 ms that
+                # took 279)
+                plain, slope = floor
+                out = [max(f, plain + slope * (r - requests))
+                       for f, r in zip(out, range(lo, hi + 1))]
+            return out
         plain, extra = curve
-        return [plain + curve_at(extra, r - requests) for r in range(lo, hi + 1)]
+        return [plain + curve_at(extra, r - requests, chord=True) for r in range(lo, hi + 1)]
 
     def step_ms_range(self, lo: int, hi: int, requests: int | None = None) -> list[float]:
         """``overhead + forward(rows)`` for rows = lo .. hi (no per-tree host time), at a
@@ -457,10 +528,8 @@ def allocate(values: list[list[float]], parents: list[list[int]], draft_values: 
     for r, vals in enumerate(values):
         if w[r] <= 0.0:
             continue
-        depth: list[int] = []
+        depth = node_depths(parents[r][: len(vals)])
         for i, v in enumerate(vals):
-            p = parents[r][i]
-            depth.append(1 if p < 0 else depth[p] + 1)
             items.append((-v * w[r], depth[i], r, 0, i))
         for j in range(draft_caps[r]):  # after equal-valued nodes
             items.append((-draft_values[r] * w[r], 1_000 + j, r, 1, j))
@@ -614,7 +683,13 @@ class TreeBudget:
     def size(self, req_ids: list[str], trees: list[FlatTree], base_rows: int,
              num_requests: int, drafting_ms: float = 0.0,
              weights: list[float] | None = None) -> list[FlatTree]:
-        """Each request's tree cut to what pays (``weights``: see ``allocate``)."""
+        """Each request's tree cut to what pays (``weights``: see ``allocate``); none while
+        a plain step of this batch size is not known (``StepCostModel.plain_forward_ms``):
+        it is measured on the next step, and drafting goes on (no miss)."""
+        if self.cost.plain_forward_ms(num_requests) is None:
+            self.last = Allocation([[] for _ in trees], [0] * len(trees), base_rows,
+                                   expected=[0.0] * len(trees))
+            return [t.select([], 0) for t in trees]
         values = [self.acceptance.unconditional(r, t) for r, t in zip(req_ids, trees)]
         parents = [t.parents[: t.num_verify] for t in trees]
         draft_caps = [t.num_nodes - t.num_verify for t in trees]
