@@ -135,3 +135,24 @@ def test_trace_steps_groups_by_batch_and_trees():
     assert g[(16, True)]["verify"] == 7.0 and g[(16, True)]["host"] == 140.0 - 115.0 - 1.0
     assert g[(16, False)]["steps"] == 1
     assert set(step_groups(lines, requests=1)) == {(1, False)}
+
+
+def test_trace_outcomes_set_the_budget_against_what_its_tree_steps_did():
+    from vllm_ptd.bench.trace_steps import budget_outcomes
+
+    step = lambda **k: json.dumps({"step": {"drafting_ms": 1.0, "nodes": 0, **k}})  # noqa: E731
+    req = lambda **k: json.dumps({"req": "a", **k})  # noqa: E731
+    lines = [step(rows=4, requests=4, trees=0, wall_ms=41.0, predicted_ms=0.0),
+             step(rows=4, requests=4, trees=0, wall_ms=61.0, predicted_ms=0.0),
+             req(verify=3, accepted=2, expected=1.5), req(verify=2, accepted=0, expected=0.5),
+             step(rows=9, requests=4, trees=2, nodes=5, wall_ms=61.0, predicted_ms=55.0),
+             req(verify=4, accepted=4, expected=3.0),   # a prefill beside the tree: left out
+             step(rows=50, requests=4, trees=1, nodes=4, wall_ms=300.0, predicted_ms=60.0),
+             req(verify=2, accepted=2, expected=1.0),   # no plain step of 2 to compare: out
+             step(rows=4, requests=2, trees=1, nodes=2, wall_ms=50.0, predicted_ms=45.0)]
+    o = budget_outcomes(lines)
+    assert (o["steps"], o["offered"], o["accepted"]) == (1, 5, 2)
+    assert (o["predicted_ms"], o["taken_ms"], o["expected"]) == (55.0, 60.0, 2.0)
+    assert o["speedup"]["realized"] == pytest.approx((4 + 2) / 60.0 / (4 / 50.0))
+    assert o["speedup"]["predicted"] == pytest.approx((4 + 2) / 55.0 / (4 / 50.0))
+    assert budget_outcomes(lines, min_requests=5)["steps"] == 0

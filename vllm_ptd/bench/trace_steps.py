@@ -1,8 +1,10 @@
 """Steps of a proposer trace grouped by how many requests they ran and whether any carried a
 tree: mean rows, wall, forward, verification and host ms (``VLLM_PTD_TRACE`` step records;
-steps of 1 s or more are the engine waiting and left out).
+steps of 1 s or more are the engine waiting and left out); and how the budget's estimates
+came out on its decode-only tree steps (``budget_outcomes``).
 
   python -m vllm_ptd.bench.trace_steps results/bs4_16/traces/ptd.jsonl [--requests 16]
+  python -m vllm_ptd.bench.trace_steps results/serving/traces/ptd.jsonl --outcomes --min-requests 4
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import gzip
 import json
 from collections import defaultdict
 
-from vllm_ptd.bench.aggregate import busy_steps
+from vllm_ptd.bench.aggregate import IDLE_STEP_MS, busy_steps
 
 
 def step_groups(lines, requests: int | None = None) -> dict[tuple[int, bool], dict]:
@@ -35,12 +37,68 @@ def step_groups(lines, requests: int | None = None) -> dict[tuple[int, bool], di
     return out
 
 
+def budget_outcomes(lines, min_requests: int = 1) -> dict:
+    """Decode-only steps with trees of at least ``min_requests`` requests whose batch size
+    also ran plain steps: their count, the ms the budget predicted and they took (drafting
+    left out, as in ``predicted_ms``), the tokens their nodes were expected to bring
+    (request records' ``expected``) and brought, nodes offered, and ``speedup``: their
+    tokens per ms against the mean plain step of the same batch size, as the budget saw it
+    (``predicted``) and as it came out (``realized``). A step's request records precede its
+    step record in the trace."""
+    plain: dict[int, list[float]] = defaultdict(list)
+    tree_steps, pending = [], []
+    for line in lines:
+        d = json.loads(line)
+        if "req" in d:
+            pending.append(d)
+            continue
+        if "step" not in d:
+            continue
+        s, reqs, pending = d["step"], pending, []
+        r = s.get("requests")
+        if r is None or r < min_requests or s["wall_ms"] >= IDLE_STEP_MS \
+                or s["rows"] != r + s.get("nodes", 0):
+            continue
+        taken = s["wall_ms"] - s.get("drafting_ms", 0.0)
+        if s["trees"] == 0:
+            plain[r].append(taken)
+        else:
+            tree_steps.append((r, s["predicted_ms"], taken, reqs))
+    out = {"steps": 0, "predicted_ms": 0.0, "taken_ms": 0.0, "expected": 0.0, "accepted": 0,
+           "offered": 0, "requests": 0, "plain_ms": 0.0}
+    for r, predicted, taken, reqs in tree_steps:
+        if not plain.get(r):
+            continue
+        out["steps"] += 1
+        out["requests"] += r
+        out["predicted_ms"] += predicted
+        out["taken_ms"] += taken
+        out["plain_ms"] += sum(plain[r]) / len(plain[r])
+        out["expected"] += sum(max(0.0, q.get("expected", 0.0)) for q in reqs)
+        out["accepted"] += sum(q["accepted"] for q in reqs)
+        out["offered"] += sum(q["verify"] for q in reqs)
+    if out["steps"]:
+        plain_rate = out["requests"] / out["plain_ms"]
+        out["speedup"] = {
+            "predicted": (out["requests"] + out["expected"]) / out["predicted_ms"] / plain_rate,
+            "realized": (out["requests"] + out["accepted"]) / out["taken_ms"] / plain_rate}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", help="a VLLM_PTD_TRACE file (.jsonl or .jsonl.gz)")
     ap.add_argument("--requests", type=int, default=None, help="only steps that ran this many")
+    ap.add_argument("--outcomes", action="store_true",
+                    help="the budget's estimates against what its tree steps did")
+    ap.add_argument("--min-requests", type=int, default=1,
+                    help="with --outcomes: only steps of at least this many requests")
     args = ap.parse_args(argv)
     opener = gzip.open if args.trace.endswith(".gz") else open
+    if args.outcomes:
+        with opener(args.trace, "rt") as f:
+            print(json.dumps(budget_outcomes(f, args.min_requests), indent=1))
+        return 0
     with opener(args.trace, "rt") as f:
         groups = step_groups(f, args.requests)
     print("| requests | trees | steps | rows | wall ms | forward ms | verification ms | host ms |")
