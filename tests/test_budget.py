@@ -341,8 +341,15 @@ def test_tree_rows_are_costed_at_the_batch_size_they_run_in(tmp_path):
     for _ in range(5):
         cost.observe(8, 60.0, 0.0, trees=1, requests=4, nodes=4)
     assert cost.step_ms(4, requests=4) == pytest.approx(42.0)
-    assert cost.step_ms(12, requests=4) == pytest.approx(42.0 + 36.0)  # 4.5 ms a row, on
     assert cost.step_ms_range(4, 6, requests=4) == pytest.approx([42.0, 46.5, 51.0])
+    # past the only count measured: what one more decoding request adds (nothing here: one
+    # request measured dearer than four), not the slope from no rows, which carries the
+    # fixed cost of having a tree
+    assert cost.step_ms(12, requests=4) == pytest.approx(42.0 + 18.0)
+    for _ in range(5):
+        cost.observe(16, 78.0, 0.0, trees=1, requests=4, nodes=12)
+    assert cost.step_ms(16, requests=4) == pytest.approx(42.0 + 36.0)
+    assert cost.step_ms(20, requests=4) == pytest.approx(42.0 + 36.0 + 4 * 18.0 / 8)
     assert cost.step_ms(9, requests=5) == pytest.approx(cost.forward_ms(9))  # 5 not measured
     for _ in range(5):
         cost.observe(5, 45.0, 0.0, requests=5, nodes=0)
@@ -356,7 +363,8 @@ def test_tree_rows_are_costed_at_the_batch_size_they_run_in(tmp_path):
     assert 1 <= len(a.verify[0]) <= 2
     cost.save(tmp_path / "cost.json")
     again = StepCostModel(path=tmp_path / "cost.json")
-    assert again.step_ms(12, requests=4) == pytest.approx(78.0)
+    assert again.step_ms(16, requests=4) == pytest.approx(78.0)
+    assert again.step_ms(12, requests=4) == pytest.approx(cost.step_ms(12, requests=4))
 
 
 def test_tree_rows_measured_once_per_node_count_still_make_the_curve():
@@ -376,7 +384,8 @@ def test_tree_rows_measured_once_per_node_count_still_make_the_curve():
     cost.observe(16 + 60, 80.0 + 150.0, 0.0, trees=2, requests=16, nodes=60)
     cost.observe(16 + 50, 80.0 + 170.0, 0.0, trees=2, requests=16, nodes=50)
     assert cost.step_ms(16 + 60, requests=16) == pytest.approx(80.0 + 160.0)
-    assert cost.step_ms(16 + 120, requests=16) == pytest.approx(80.0 + 160.0 * 2)
+    chord = (160.0 - 33.0) / (60 - 11)  # from the first count measured to the last
+    assert cost.step_ms(16 + 120, requests=16) == pytest.approx(80.0 + 160.0 + 60 * chord)
 
 
 def test_a_first_tree_step_at_a_batch_size_costs_rows_as_decoding_requests():

@@ -188,26 +188,22 @@ def monotone(points: list[tuple[int, float, int]], max_weight: int = 16) -> list
     return out
 
 
-def curve_at(known: list[tuple[int, float]], x: float, chord: bool = False) -> float:
+def curve_at(known: list[tuple[int, float]], x: float, tail_slope: float | None = None) -> float:
     """The piecewise-linear curve through ``known`` (sorted (x, y), x >= its first x),
-    extended past the last point along its last slope (flat with one point), or with
-    ``chord`` along the steeper of that and the chord from the first point: a cost that
-    grows at least linearly is not extended flat where the monotone fit pooled its last
-    points (a tree-row curve at 16 requests, flat past 42 nodes, priced 119 nodes at 71 ms
-    that took 490)."""
+    extended past the last point along its last slope (flat with one point), or along
+    ``tail_slope`` where the caller knows better."""
     xs = [b for b, _ in known]
     i = bisect.bisect_left(xs, x)
     if i < len(xs) and xs[i] == x:
         return known[i][1]
     if i >= len(xs):
         b, y = known[-1]
+        if tail_slope is not None:
+            return y + max(0.0, tail_slope) * (x - b)
         if len(known) < 2:
             return y
         b0, y0 = known[-2]
-        slope = (y - y0) / (b - b0)
-        if chord and b > known[0][0]:
-            slope = max(slope, (y - known[0][1]) / (b - known[0][0]))
-        return y + max(0.0, slope) * (x - b)
+        return y + max(0.0, (y - y0) / (b - b0)) * (x - b)
     if i == 0:
         return known[0][1]
     (b0, y0), (b1, y1) = known[i - 1], known[i]
@@ -336,9 +332,18 @@ class StepCostModel:
         return monotone(sorted((b, s.ms, s.n) for b, s in self.rows.items()
                                if s.n >= self.MIN_SAMPLES))
 
-    def _tree_curve(self, requests: int) -> tuple[float, list[tuple[int, float]]] | None:
-        """(plain forward ms, [(tree rows, extra ms)] from (0, 0), non-decreasing) at this
-        batch size, once both were measured; else None."""
+    def _tree_curve(self, requests: int) -> tuple[float, list[tuple[int, float]], float] | None:
+        """(plain forward ms, [(tree rows, extra ms)] from (0, 0), non-decreasing, the slope
+        past its last point) at this batch size, once both were measured; else None.
+
+        Past the largest node count measured the extra cost grows by the steepest of: the
+        last segment between two measured counts, the chord from the first measured count
+        to the last (where the monotone fit pooled the last counts into a flat end: at 16
+        requests a curve flat past 42 nodes had priced 119 nodes at 71 ms that took 490),
+        and what one more decoding request adds. Not along the segment from no tree rows:
+        a tree's first row carries the fixed cost of having a tree at all (at 4 requests a
+        one-node tree measured at +9 ms, extended so, priced 12 nodes at +110 ms that take
+        about +42, and no larger tree was ever tried)."""
         plain = self.plain_forward_ms(requests)
         if plain is None:
             return None
@@ -351,7 +356,14 @@ class StepCostModel:
             self.batch_bucket(requests), {}).items())
         if not pts:
             return None
-        return plain, monotone([(0, 0.0, 1 << 30)] + pts)
+        curve = monotone([(0, 0.0, 1 << 30)] + pts)
+        floor = self._decode_floor(requests)
+        slopes = [floor[1] if floor is not None else 0.0]
+        measured = curve[1:]
+        if len(measured) >= 2:
+            (b0, y0), (b1, y1), (b2, y2) = measured[0], measured[-2], measured[-1]
+            slopes += [(y2 - y0) / (b2 - b0), (y2 - y1) / (b2 - b1)]
+        return plain, curve, max(slopes)
 
     def plain_forward_ms(self, requests: int) -> float | None:
         """Forward ms of a plain decode step of ``requests`` requests: measured at that
@@ -414,8 +426,8 @@ class StepCostModel:
                 out = [max(f, plain + slope * (r - requests))
                        for f, r in zip(out, range(lo, hi + 1))]
             return out
-        plain, extra = curve
-        return [plain + curve_at(extra, r - requests, chord=True) for r in range(lo, hi + 1)]
+        plain, extra, tail_slope = curve
+        return [plain + curve_at(extra, r - requests, tail_slope) for r in range(lo, hi + 1)]
 
     def step_ms_range(self, lo: int, hi: int, requests: int | None = None) -> list[float]:
         """``overhead + forward(rows)`` for rows = lo .. hi (no per-tree host time), at a
