@@ -50,6 +50,20 @@ from vllm_ptd.tree import FlatTree
 MARGIN = 0.03
 # bins of a method's own conditional score (the probability it gives a node given its parent)
 SCORE_BINS = (0.1, 0.25, 0.5, 0.75, 0.9)
+# engine-wide evidence (acceptance counts, calibration sums) fades by a factor e over this
+# many engine steps, with or without new evidence: what held trees back must not hold them
+# back for good once no tree is sent that could show otherwise (a benchmark's warm-up on
+# reversed prompts, where no draft is accepted, had left an engine sending trees in 20 of
+# 2000 steps)
+STEP_MEMORY = 256
+
+
+def faded(values: list[float], since: int, now: int) -> list[float]:
+    """``values`` weighed down for the engine steps since they were last updated."""
+    if now <= since:
+        return values
+    f = (1.0 - 1.0 / STEP_MEMORY) ** (now - since)
+    return [v * f for v in values]
 
 
 def makespan_weights(remaining: list[int], request_share: float) -> list[float]:
@@ -105,8 +119,10 @@ class AcceptanceModel:
         self.engine_strength = engine_strength
         self.request_strength = request_strength
         self.max_requests = max_requests
+        # engine-wide [accepted, offered, step of the last update]; faded with the steps
         self.engine: dict[tuple[int, int, int], list[float]] = {}
         self.requests: dict[str, dict[tuple[int, int, int], list[float]]] = {}
+        self.now = 0  # engine steps so far (``TreeBudget.observe_step``)
 
     @staticmethod
     def key(group: int, score: float, depth: int) -> tuple[int, int, int]:
@@ -119,7 +135,8 @@ class AcceptanceModel:
         out = []
         for q, g, d in zip(scores, groups, depths):
             key = self.key(g, q, d)
-            a, n = self.engine.get(key, (0.0, 0.0))
+            cell = self.engine.get(key)
+            a, n = faded(cell[:2], int(cell[2]), self.now) if cell is not None else (0.0, 0.0)
             pe = (a + se * q) / (n + se)
             a, n = own.get(key, (0.0, 0.0))
             out.append(min(1.0, max(0.0, (a + sr * pe) / (n + sr))))
@@ -152,13 +169,15 @@ class AcceptanceModel:
                 continue  # never looked at
             key = self.key(tree.groups[i], tree.scores[i], d)
             hit = 1.0 if i in on_path else 0.0
-            for table in (self.engine, own):
-                cell = table.get(key)
-                if cell is None:
-                    table[key] = [hit, 1.0]
-                else:
-                    cell[0] += hit
-                    cell[1] += 1.0
+            cell = self.engine.get(key)
+            a, n = faded(cell[:2], int(cell[2]), self.now) if cell is not None else (0.0, 0.0)
+            self.engine[key] = [a + hit, n + 1.0, float(self.now)]
+            cell = own.get(key)
+            if cell is None:
+                own[key] = [hit, 1.0]
+            else:
+                cell[0] += hit
+                cell[1] += 1.0
 
     def forget(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
@@ -606,26 +625,30 @@ class Calibration:
     per cent on paper; at batch 1, where rows are nearly free, the same errors cost little.
 
     The sums forget: each observation weighs the earlier ones down by ``1 - 1 / MEMORY``,
-    so a bad stretch (seen once in a served run: an engine's first 65 trees brought 3 of
-    55 expected tokens, later ones 35-56 % of their nodes) stops holding trees back once
-    later steps with trees come out better, instead of weighing on the engine's whole life."""
+    and every engine step by ``1 - 1 / STEP_MEMORY``, so a bad stretch (seen in served
+    and offline runs: an engine's first trees, after a warm-up on reversed prompts, brought
+    3 of 55 expected tokens, later ones 35-56 % of their nodes) stops holding trees back,
+    even when it held them back so well that no later tree could show otherwise."""
 
     PRIOR_STEPS = 8
     BOUNDS = (0.25, 4.0)
     MEMORY = 64
 
     def __init__(self) -> None:
-        self.time: dict[int, list[float]] = {}    # bucket -> [predicted ms, taken ms, steps]
-        self.tokens: dict[int, list[float]] = {}  # bucket -> [expected, accepted, steps]
+        # bucket -> [predicted ms, taken ms, steps, engine step of the last update]
+        self.time: dict[int, list[float]] = {}
+        # bucket -> [expected, accepted, steps, engine step of the last update]
+        self.tokens: dict[int, list[float]] = {}
+        self.now = 0  # engine steps so far (``TreeBudget.observe_step``)
 
-    @staticmethod
-    def _add(table: dict[int, list[float]], requests: int, estimate: float, outcome: float):
-        cell = table.setdefault(StepCostModel.batch_bucket(requests), [0.0, 0.0, 0.0])
+    def _add(self, table: dict[int, list[float]], requests: int, estimate: float,
+             outcome: float) -> None:
+        cell = table.get(StepCostModel.batch_bucket(requests))
+        sums = faded(cell[:3], int(cell[3]), self.now) if cell is not None else [0.0] * 3
         keep = 1.0 - 1.0 / Calibration.MEMORY
-        cell[:] = [x * keep for x in cell]
-        cell[0] += estimate
-        cell[1] += outcome
-        cell[2] += 1.0
+        est, out, n = (x * keep for x in sums)
+        table[StepCostModel.batch_bucket(requests)] = [est + estimate, out + outcome, n + 1.0,
+                                                       float(self.now)]
 
     def observe_time(self, requests: int, predicted_ms: float, taken_ms: float) -> None:
         if predicted_ms > 0 and taken_ms > 0:
@@ -639,9 +662,10 @@ class Calibration:
         cell = table.get(StepCostModel.batch_bucket(requests))
         if cell is None or cell[2] == 0:
             return 1.0
-        prior = self.PRIOR_STEPS * cell[0] / cell[2]  # PRIOR_STEPS average steps, as estimated
+        est, out, n = faded(cell[:3], int(cell[3]), self.now)
+        prior = self.PRIOR_STEPS * est / n  # PRIOR_STEPS average steps, as estimated
         lo, hi = self.BOUNDS
-        return min(hi, max(lo, (cell[1] + prior) / (cell[0] + prior)))
+        return min(hi, max(lo, (out + prior) / (est + prior)))
 
     def time_ratio(self, requests: int) -> float:
         return self._ratio(self.time, requests)
@@ -728,6 +752,8 @@ class TreeBudget:
         no error of the estimate)."""
         self.cost.observe(rows, forward_ms, overhead_ms, trees=trees, requests=requests,
                           nodes=nodes)
+        self.calibration.now += 1
+        self.acceptance.now += 1
         if trees and overhead_ms is not None and decode_only(rows, requests, nodes):
             self.calibration.observe_time(requests, predicted_ms, taken_ms)
 
