@@ -184,6 +184,15 @@ def test_a_batch_that_nothing_follows_sends_trees_only_where_they_shorten_it():
     tied = allocate(values, parents, [0.0] * 4, [0] * 4, 4, 4, cost,
                     weights=makespan_weights([9] * 4, share))
     assert tied.verify == by_tokens.verify
+    # all four on the critical path, but only two have anything to send: the batch ends no
+    # sooner unless all four gain, so no tree goes out (worth the mean of the four, the two
+    # sure chains had gone out)
+    half = [[1.0, 1.0, 1.0]] * 2 + [[]] * 2
+    half_parents = [[-1, 0, 1]] * 2 + [[]] * 2
+    a = allocate(half, half_parents, [0.0] * 4, [0] * 4, 4, 4, cost,
+                 weights=makespan_weights([9] * 4, share))
+    assert a.verify == [[], [], [], []] and not a.pays
+    assert all(allocate(half, half_parents, [0.0] * 4, [0] * 4, 4, 4, cost).verify[:2])
 
 
 def test_allocate_keeps_parents_on_random_trees():
