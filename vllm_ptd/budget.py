@@ -33,7 +33,7 @@ under load, an offline run with more prompts than fit one batch). A batch that n
 follows (an offline batch, a server's last requests) ends when its slowest request ends: a
 token gained by a request with fewer tokens left than another shortens nothing but that
 request's share of the later steps. ``makespan_weights`` values each request's tokens that
-way, and ``allocate`` maximises weighted tokens per ms.
+way, and ``allocate`` maximises their worth per ms.
 """
 from __future__ import annotations
 
@@ -72,8 +72,9 @@ def makespan_weights(remaining: list[int], request_share: float) -> list[float]:
     at most; ``request_share``: the share of a step's cost one request adds).
 
     The requests with the most tokens left are its critical path: the batch ends when they
-    do, so a token they all gain saves one step. Each of them gets ``1 / n`` (n of them:
-    all must gain for the batch to gain; their mean stands for that). Any other request
+    do, so a token they all gain saves one step. Each of them gets ``1 / n`` (n of them),
+    the largest weight, by which ``allocate`` knows them (and values them together by the
+    least of their gains: all must gain for the batch to gain). Any other request
     gains the batch only the cost it stops adding to each later step once it is done:
     ``request_share`` per token."""
     if not remaining:
