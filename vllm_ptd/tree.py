@@ -20,6 +20,15 @@ from dataclasses import dataclass, field
 import torch
 
 
+def node_depths(parents: list[int]) -> list[int]:
+    """Depth of every node of a flat tree given its parents (parents before children; -1:
+    the root); children of the root have depth 1."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return depth
+
+
 @dataclass
 class FlatTree:
     """One request's tree. ``parents[i] == -1`` means node i is a child of the root."""
@@ -60,10 +69,7 @@ class FlatTree:
 
     def depths(self) -> list[int]:
         """Depth of each node; children of the root have depth 1."""
-        d: list[int] = []
-        for p in self.parents:
-            d.append(1 if p < 0 else d[p] + 1)
-        return d
+        return node_depths(self.parents)
 
     def truncated(self, n: int) -> "FlatTree":
         """The first n nodes (still a valid tree, parents come first)."""
