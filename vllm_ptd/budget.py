@@ -369,8 +369,7 @@ class StepCostModel:
         if not pts:
             return None
         curve = monotone([(0, 0.0, 1 << 30)] + pts)
-        floor = self._decode_floor(requests)
-        slopes = [floor[1] if floor is not None else 0.0]
+        slopes = [self._decode_slope(requests, plain) or 0.0]
         measured = curve[1:]
         if len(measured) >= 2:
             (b0, y0), (b1, y1), (b2, y2) = measured[0], measured[-2], measured[-1]
@@ -394,15 +393,14 @@ class StepCostModel:
             return None
         return curve_at(pts, key)
 
-    def _decode_floor(self, requests: int) -> tuple[float, float] | None:
-        """(plain forward ms at this batch size, ms one more decoding request adds: the chord
-        from the smallest batch measured), once both were measured; else None."""
-        plain = self.plain_forward_ms(requests)
+    def _decode_slope(self, requests: int, plain: float) -> float | None:
+        """Ms one more decoding request adds to a plain step of ``requests`` (forward
+        ``plain``): the chord from the smallest batch measured; None without one."""
         smaller = [(b, st.ms) for b, st in self.decode.items() if b < requests]
-        if plain is None or not smaller:
+        if not smaller:
             return None
         b0, ms0 = min(smaller)
-        return plain, max(0.0, (plain - ms0) / (requests - b0))
+        return max(0.0, (plain - ms0) / (requests - b0))
 
     def forward_ms(self, rows: int, known: list[tuple[int, float]] | None = None) -> float:
         """Estimated forward ms of a step with ``rows`` rows (``known``: ``self._known()``,
@@ -428,13 +426,13 @@ class StepCostModel:
         if curve is None:
             known = self._known()
             out = [self.forward_ms(r, known) for r in range(lo, hi + 1)]
-            floor = self._decode_floor(requests) if requests is not None else None
-            if floor is not None:
+            plain = self.plain_forward_ms(requests) if requests is not None else None
+            slope = self._decode_slope(requests, plain) if plain is not None else None
+            if slope is not None:
                 # no tree step measured at this batch size yet: a tree row costs at least
                 # what one more decoding request adds (the curve over all steps, made cheap
                 # by prefill rows, had put a first tree step at 16 requests at 151 ms that
                 # took 279)
-                plain, slope = floor
                 out = [max(f, plain + slope * (r - requests))
                        for f, r in zip(out, range(lo, hi + 1))]
             return out
