@@ -626,10 +626,10 @@ class Calibration:
     per cent on paper; at batch 1, where rows are nearly free, the same errors cost little.
 
     The sums forget: each observation weighs the earlier ones down by ``1 - 1 / MEMORY``,
-    and every engine step by ``1 - 1 / STEP_MEMORY``, so a bad stretch (seen in served
-    and offline runs: an engine's first trees, after a warm-up on reversed prompts, brought
-    3 of 55 expected tokens, later ones 35-56 % of their nodes) stops holding trees back,
-    even when it held them back so well that no later tree could show otherwise."""
+    and every engine step by ``1 - 1 / STEP_MEMORY``, so a bad stretch (a served engine's
+    first 65 trees brought 3 of 55 expected tokens, later ones 35-56 % of their nodes; an
+    offline engine after the benchmark's warm-up on reversed prompts) stops holding trees
+    back, even when it held them back so well that no later tree could show otherwise."""
 
     PRIOR_STEPS = 8
     BOUNDS = (0.25, 4.0)
@@ -644,12 +644,12 @@ class Calibration:
 
     def _add(self, table: dict[int, list[float]], requests: int, estimate: float,
              outcome: float) -> None:
-        cell = table.get(StepCostModel.batch_bucket(requests))
+        bucket = StepCostModel.batch_bucket(requests)
+        cell = table.get(bucket)
         sums = faded(cell[:3], int(cell[3]), self.now) if cell is not None else [0.0] * 3
         keep = 1.0 - 1.0 / Calibration.MEMORY
         est, out, n = (x * keep for x in sums)
-        table[StepCostModel.batch_bucket(requests)] = [est + estimate, out + outcome, n + 1.0,
-                                                       float(self.now)]
+        table[bucket] = [est + estimate, out + outcome, n + 1.0, float(self.now)]
 
     def observe_time(self, requests: int, predicted_ms: float, taken_ms: float) -> None:
         if predicted_ms > 0 and taken_ms > 0:
