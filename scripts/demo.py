@@ -21,7 +21,7 @@ from vllm_ptd.bench.engines import start_engines, stop_engines
 from vllm_ptd.bench.host import REPO, resolve_common_args
 from vllm_ptd.bench.interleave import run_interleaved
 from vllm_ptd.bench.methods import parse_methods
-from vllm_ptd.bench.prompts import load_token_prompts
+from vllm_ptd.bench.prompts import load_held_out_prompts, load_token_prompts
 from vllm_ptd.bench.report import fmt, fmt_pm, identical_cell
 
 DATASETS = ["mt_bench", "spec_bench", "gsm8k", "humaneval", "mbpp"]
@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     methods = parse_methods(",".join(labels))
 
     prompts = load_token_prompts(model, DATASETS, 1, None, 2048 - args.max_tokens)
+    spare = load_held_out_prompts(model, DATASETS, 1, 1, None, 2048 - args.max_tokens)
     print(f"[demo] model {model}; {len(prompts)} prompts (one per dataset), {args.max_tokens} new "
           f"tokens, greedy, batch 1, {args.dtype}; engines: {', '.join(labels)}")
     out = Path(args.out)
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[demo] the plain engine failed to start: {failed['none']}")
             return 1
         records = run_interleaved(engines, prompts, [1], args.repeats, args.max_tokens,
-                                     settle=1.2, warmup=True)
+                                     settle=1.2, warmup=True, warmup_prompts=spare)
     finally:
         stop_engines(engines)
     live = [e.label for e in engines if not e.error]

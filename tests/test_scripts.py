@@ -156,3 +156,45 @@ def test_trace_outcomes_set_the_budget_against_what_its_tree_steps_did():
     assert o["speedup"]["realized"] == pytest.approx((4 + 2) / 60.0 / (4 / 50.0))
     assert o["speedup"]["predicted"] == pytest.approx((4 + 2) / 55.0 / (4 / 50.0))
     assert budget_outcomes(lines, min_requests=5)["steps"] == 0
+
+
+def test_warmup_runs_held_out_prompts_and_records_nothing():
+    """The warm-up runs real prompts that no measured batch holds (one batch per size and
+    dataset); a dataset without spare prompts falls back to its first batch reversed."""
+    from vllm_ptd.bench.interleave import run_interleaved
+    from vllm_ptd.bench.prompts import load_held_out_prompts, load_token_prompts
+
+    class FakeEngine:
+        def __init__(self, label):
+            self.label, self.seen = label, []
+
+        def generate(self, batch, max_tokens):
+            self.seen.append(([list(b) for b in batch], max_tokens))
+            return {"wall": 0.0, "outputs": [[1]] * len(batch), "counters": None, "trace": []}
+
+    prompts = {"a": [{"id": i, "ids": [i, i + 1]} for i in range(3)],
+               "b": [{"id": 9, "ids": [7, 8, 9]}]}
+    spare = {"a": [{"id": 5, "ids": [50, 51]}], "b": []}
+    eng = [FakeEngine("none"), FakeEngine("ptd")]
+    recs = run_interleaved(eng, prompts, [1, 2], 1, 64, 0.0, True, progress=False,
+                           warmup_prompts=spare)
+    measured = [[p["ids"] for p in v] for v in prompts.values()]
+    measured = [ids for group in measured for ids in group]
+    for e in eng:
+        warm = e.seen[:4]  # (size 1, a), (size 2, a), (size 1, b), (size 2, b)
+        assert [m for _, m in warm] == [32] * 4 and e.seen[4][1] == 64
+        batches = [b for b, _ in warm]
+        assert batches[0] == [[50, 51]] and batches[1] == [[50, 51], [50, 51]]
+        assert batches[2] == batches[3] == [[9, 8, 7]]  # b has no spare prompt
+        assert not any(ids in measured for b in batches for ids in b)
+    assert len(recs) == 2 * (3 + 1 + 2 + 1)  # the warm-up is not recorded
+
+    # the held-out prompts of a real dataset come after the measured ones
+    model = str(Path.home() / ".cache/vllm_ptd/smollm2-135m-instruct-bf16")
+    if not Path(model).is_dir():
+        pytest.skip("the embedded model's tokenizer is not built")
+    got = load_token_prompts(model, ["mt_bench"], 3, None, 4096)
+    held = load_held_out_prompts(model, ["mt_bench"], 3, 2, None, 4096)
+    both = load_token_prompts(model, ["mt_bench"], 5, None, 4096)
+    assert [p["id"] for p in both["mt_bench"]] == [p["id"] for p in
+                                                   got["mt_bench"] + held["mt_bench"]]

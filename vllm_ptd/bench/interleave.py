@@ -8,9 +8,14 @@ from vllm_ptd.bench.engines import Engine, EngineFailed
 
 def run_interleaved(engines: list[Engine], prompts: dict[str, list[dict]], batch_sizes: list[int],
                     repeats: int, max_tokens: int, settle: float, warmup: bool,
-                    progress: bool = True, on_repeat_done=None, say=print) -> list[dict]:
+                    progress: bool = True, on_repeat_done=None, say=print,
+                    warmup_prompts: dict[str, list[dict]] | None = None) -> list[dict]:
     """Every engine runs every batch of prompts in turn; the order rotates per batch.
-    Returns one record per (engine, dataset, batch size, repeat, batch)."""
+    Returns one record per (engine, dataset, batch size, repeat, batch).
+
+    The warm-up (``warmup``) runs, unrecorded, one batch of each size per dataset on
+    ``warmup_prompts`` (held-out prompts of that dataset, repeated to fill the batch); a
+    dataset without any is warmed up on its first measured batch reversed."""
     try:
         from tqdm import tqdm
     except ImportError:  # the [bench] extra has it; plain progress lines otherwise
@@ -28,10 +33,11 @@ def run_interleaved(engines: list[Engine], prompts: dict[str, list[dict]], batch
         r, ds, bs, ci, idx = item
         batch = [prompts[ds][i]["ids"] for i in idx]
         if warm:
-            # the prompts reversed: the same shapes, but a text no measured request holds, so
-            # a method that remembers earlier requests (suffix decoding's global cache)
-            # learns nothing of the measured outputs from the warm-up
-            batch = [list(reversed(ids)) for ids in batch]
+            # a text no measured request holds, so a method that remembers earlier requests
+            # (suffix decoding's global cache) learns nothing of the measured outputs
+            spare = (warmup_prompts or {}).get(ds) or []
+            batch = ([spare[i % len(spare)]["ids"] for i in range(len(batch))] if spare
+                     else [list(reversed(ids)) for ids in batch])
         for e in order:
             if e not in live:
                 continue
@@ -58,8 +64,9 @@ def run_interleaved(engines: list[Engine], prompts: dict[str, list[dict]], batch
     if warmup:  # one-time costs (first shapes, allocator) out of the measurement
         seen = set()
         for item in work:
-            if item[2] not in seen:
-                seen.add(item[2])
+            key = (item[2], item[1]) if warmup_prompts else item[2]  # (size, dataset) or size
+            if key not in seen:
+                seen.add(key)
                 turn(list(live), item, record=False, max_tok=min(32, max_tokens), warm=True)
     total = len(work) * len(live)
     bar = tqdm(total=total, desc="benchmark", unit="gen", dynamic_ncols=True) \

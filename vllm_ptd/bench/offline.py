@@ -11,7 +11,7 @@ from vllm_ptd.bench.host import host_info
 from vllm_ptd.bench.interleave import run_interleaved
 from vllm_ptd.bench.methods import Method, parse_methods
 from vllm_ptd.bench.plots import make_plots
-from vllm_ptd.bench.prompts import load_token_prompts
+from vllm_ptd.bench.prompts import load_held_out_prompts, load_token_prompts
 from vllm_ptd.bench.report import markdown_report
 
 
@@ -53,6 +53,11 @@ def run_benchmark(args, methods: list[Method], datasets: list[str], say=None) ->
                                  args.max_model_len - args.max_tokens, say)
     say(f"[bench] {sum(len(v) for v in prompts.values())} prompts from {', '.join(prompts)}; "
         f"methods: {', '.join(m.label for m in methods)}; output: {out}")
+    spare = None  # every prompt measured: the warm-up falls back to reversed prompts
+    if args.num_prompts is not None and not args.no_warmup:
+        spare = load_held_out_prompts(args.model, datasets, args.num_prompts,
+                                      max(args.batch_sizes), args.data_dir,
+                                      args.max_model_len - args.max_tokens)
     opts = engine_opts(args, max_num_seqs=max(args.batch_sizes))
     engines: list[Engine] = []
     failed: dict[str, str] = {}
@@ -70,7 +75,8 @@ def run_benchmark(args, methods: list[Method], datasets: list[str], say=None) ->
                 "prompt_ids": {d: [p["id"] for p in v] for d, v in prompts.items()},
                 "methods": {m.label: m.spec for m in methods}, "load_s": load,
                 "args": vars(args), "started": started, "host": host_info(),
-                "settle_s": args.settle}
+                "settle_s": args.settle,
+                "warmup_prompt_ids": {d: [p["id"] for p in v] for d, v in (spare or {}).items()}}
 
         def write(records, partial: bool):
             labels = [m.label for m in methods]
@@ -90,7 +96,7 @@ def run_benchmark(args, methods: list[Method], datasets: list[str], say=None) ->
         records = run_interleaved(
             engines, prompts, args.batch_sizes, args.repeats, args.max_tokens, args.settle,
             warmup=not args.no_warmup, progress=not args.no_progress,
-            on_repeat_done=lambda recs, r: write(recs, True), say=say)
+            on_repeat_done=lambda recs, r: write(recs, True), say=say, warmup_prompts=spare)
         md, plots = write(records, False)
         print(md)
         say(f"[bench] wrote {out / 'results.md'}, {out / 'results.json'}, "

@@ -2,23 +2,32 @@
 from __future__ import annotations
 
 
+def _token_prompts(tok, ds: str, start: int, stop: int | None, data_dir: str | None,
+                   max_len: int) -> tuple[list[dict], int]:
+    """Prompts ``start:stop`` of dataset ``ds`` that fit in ``max_len`` tokens, and how many
+    did not fit."""
+    from vllm_ptd.datasets import chat_prompt_ids, load_prompts
+
+    items, skipped = [], 0
+    for p in load_prompts(ds, stop, data_dir=data_dir)[start:]:
+        ids = chat_prompt_ids(tok, p.text)
+        if len(ids) > max_len:
+            skipped += 1
+            continue
+        items.append({"id": p.id, "ids": ids})
+    return items, skipped
+
 
 def load_token_prompts(model: str, datasets: list[str], n: int | None, data_dir: str | None,
                        max_len: int, say=print) -> dict[str, list[dict]]:
+    """The first ``n`` prompts of each dataset (all when ``None``), less those longer than
+    ``max_len`` tokens."""
     from transformers import AutoTokenizer
-
-    from vllm_ptd.datasets import chat_prompt_ids, load_prompts
 
     tok = AutoTokenizer.from_pretrained(model)
     out = {}
     for ds in datasets:
-        items, skipped = [], 0
-        for p in load_prompts(ds, n, data_dir=data_dir):
-            ids = chat_prompt_ids(tok, p.text)
-            if len(ids) > max_len:
-                skipped += 1
-                continue
-            items.append({"id": p.id, "ids": ids})
+        items, skipped = _token_prompts(tok, ds, 0, n, data_dir, max_len)
         if skipped:
             say(f"[bench] {ds}: skipped {skipped} prompt(s) longer than {max_len} tokens "
                 f"(max-model-len minus max-tokens)")
@@ -26,3 +35,18 @@ def load_token_prompts(model: str, datasets: list[str], n: int | None, data_dir:
             raise SystemExit(f"[bench] {ds}: no prompt fits")
         out[ds] = items
     return out
+
+
+def load_held_out_prompts(model: str, datasets: list[str], after: int, count: int,
+                          data_dir: str | None, max_len: int) -> dict[str, list[dict]]:
+    """Up to ``count`` prompts of each dataset from those after its first ``after``: real text
+    of the measured kind that no measured request holds, to warm engines up with. A method
+    that learns across requests (suffix decoding's global cache, PTD's engine-wide
+    acceptance estimates) then starts the measurement as it would in service, neither primed
+    with the measured outputs nor misled by an artificial text. A dataset with none left
+    maps to an empty list."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    return {ds: _token_prompts(tok, ds, after, after + count, data_dir, max_len)[0]
+            for ds in datasets}

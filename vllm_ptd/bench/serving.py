@@ -40,7 +40,7 @@ from vllm_ptd.bench.aggregate import busy_steps, mean_sd, spec_summary
 from vllm_ptd.bench.engines import read_trace, traced
 from vllm_ptd.bench.host import REPO, host_info, resolve_common_args
 from vllm_ptd.bench.methods import Method, int_list, parse_methods, safe_label
-from vllm_ptd.bench.prompts import load_token_prompts
+from vllm_ptd.bench.prompts import load_held_out_prompts, load_token_prompts
 from vllm_ptd.bench.report import fmt, fmt_pm, identical_cell
 
 DEFAULT_METHODS = "none,ngram:6,ptd"
@@ -452,6 +452,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts_by = load_token_prompts(args.model, datasets, args.num_prompts, args.data_dir,
                                        args.max_model_len - args.max_tokens)
     prompts = [p["ids"] for ds in datasets for p in prompts_by[ds]]
+    # warm-up on one held-out prompt per dataset (none left: the first measured one)
+    spare = load_held_out_prompts(args.model, datasets, args.num_prompts, 1, args.data_dir,
+                                  args.max_model_len - args.max_tokens)
+    warm = [p["ids"] for ds in datasets for p in spare[ds]] or prompts[:1]
     t_start = time.time()
     failed: dict[str, str] = {}
     if args.base_url:
@@ -483,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         if not servers:
             raise SystemExit("[serve] no server to measure")
         for s in servers:  # warm-up
-            asyncio.run(_round(s, prompts[:1], 1, 8))
+            asyncio.run(_round(s, warm, len(warm), min(32, args.max_tokens)))
         plan = [(k, c) for k in range(args.repeats) for c in args.clients]
         bar = tqdm(total=len(plan) * len(servers), desc="serving", unit="round") if tqdm else None
         for n, (k, c) in enumerate(plan):
