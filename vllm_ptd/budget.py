@@ -58,6 +58,14 @@ SCORE_BINS = (0.1, 0.25, 0.5, 0.75, 0.9)
 STEP_MEMORY = 256
 
 
+class EngineClock:
+    """The engine steps run so far: what evidence fades with (``faded``). One per engine,
+    shared by every model whose evidence fades, and ticked by ``TreeBudget.observe_step``."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+
 def faded(values: list[float], since: int, now: int) -> list[float]:
     """``values`` weighed down for the engine steps since they were last updated."""
     if now <= since:
@@ -108,14 +116,14 @@ class AcceptanceModel:
     looked at it."""
 
     def __init__(self, engine_strength: float = 8.0, request_strength: float = 4.0,
-                 max_requests: int = 100_000) -> None:
+                 max_requests: int = 100_000, clock: EngineClock | None = None) -> None:
         self.engine_strength = engine_strength
         self.request_strength = request_strength
         self.max_requests = max_requests
         # engine-wide [accepted, offered, step of the last update]; faded with the steps
         self.engine: dict[tuple[int, int, int], list[float]] = {}
         self.requests: dict[str, dict[tuple[int, int, int], list[float]]] = {}
-        self.now = 0  # engine steps so far (``TreeBudget.observe_step``)
+        self.clock = clock or EngineClock()
 
     @staticmethod
     def key(group: int, score: float, depth: int) -> tuple[int, int, int]:
@@ -125,11 +133,12 @@ class AcceptanceModel:
                     depths: list[int]) -> list[float]:
         own = self.requests.get(req_id, {})
         se, sr = self.engine_strength, self.request_strength
+        now = self.clock.steps
         out = []
         for q, g, d in zip(scores, groups, depths):
             key = self.key(g, q, d)
             cell = self.engine.get(key)
-            a, n = faded(cell[:2], int(cell[2]), self.now) if cell is not None else (0.0, 0.0)
+            a, n = faded(cell[:2], int(cell[2]), now) if cell is not None else (0.0, 0.0)
             pe = (a + se * q) / (n + se)
             a, n = own.get(key, (0.0, 0.0))
             out.append(min(1.0, max(0.0, (a + sr * pe) / (n + sr))))
@@ -163,8 +172,9 @@ class AcceptanceModel:
             key = self.key(tree.groups[i], tree.scores[i], d)
             hit = 1.0 if i in on_path else 0.0
             cell = self.engine.get(key)
-            a, n = faded(cell[:2], int(cell[2]), self.now) if cell is not None else (0.0, 0.0)
-            self.engine[key] = [a + hit, n + 1.0, float(self.now)]
+            now = self.clock.steps
+            a, n = faded(cell[:2], int(cell[2]), now) if cell is not None else (0.0, 0.0)
+            self.engine[key] = [a + hit, n + 1.0, float(now)]
             cell = own.get(key)
             if cell is None:
                 own[key] = [hit, 1.0]
@@ -635,21 +645,21 @@ class Calibration:
     BOUNDS = (0.25, 4.0)
     MEMORY = 64
 
-    def __init__(self) -> None:
+    def __init__(self, clock: EngineClock | None = None) -> None:
         # bucket -> [predicted ms, taken ms, steps, engine step of the last update]
         self.time: dict[int, list[float]] = {}
         # bucket -> [expected, accepted, steps, engine step of the last update]
         self.tokens: dict[int, list[float]] = {}
-        self.now = 0  # engine steps so far (``TreeBudget.observe_step``)
+        self.clock = clock or EngineClock()
 
     def _add(self, table: dict[int, list[float]], requests: int, estimate: float,
              outcome: float) -> None:
         bucket = StepCostModel.batch_bucket(requests)
         cell = table.get(bucket)
-        sums = faded(cell[:3], int(cell[3]), self.now) if cell is not None else [0.0] * 3
+        sums = faded(cell[:3], int(cell[3]), self.clock.steps) if cell is not None else [0.0] * 3
         keep = 1.0 - 1.0 / Calibration.MEMORY
         est, out, n = (x * keep for x in sums)
-        table[bucket] = [est + estimate, out + outcome, n + 1.0, float(self.now)]
+        table[bucket] = [est + estimate, out + outcome, n + 1.0, float(self.clock.steps)]
 
     def observe_time(self, requests: int, predicted_ms: float, taken_ms: float) -> None:
         if predicted_ms > 0 and taken_ms > 0:
@@ -663,7 +673,7 @@ class Calibration:
         cell = table.get(StepCostModel.batch_bucket(requests))
         if cell is None or cell[2] == 0:
             return 1.0
-        est, out, n = faded(cell[:3], int(cell[3]), self.now)
+        est, out, n = faded(cell[:3], int(cell[3]), self.clock.steps)
         prior = self.PRIOR_STEPS * est / n  # PRIOR_STEPS average steps, as estimated
         lo, hi = self.BOUNDS
         return min(hi, max(lo, (out + prior) / (est + prior)))
@@ -695,8 +705,10 @@ class TreeBudget:
 
     def __init__(self, cost: StepCostModel, acceptance: AcceptanceModel | None = None) -> None:
         self.cost = cost
+        self.clock = EngineClock()  # one clock: both models' evidence fades with the same steps
         self.acceptance = acceptance or AcceptanceModel()
-        self.calibration = Calibration()
+        self.acceptance.clock = self.clock
+        self.calibration = Calibration(self.clock)
         self._misses = 0
         self._pause = 1
         self._skip = 0
@@ -753,8 +765,7 @@ class TreeBudget:
         no error of the estimate)."""
         self.cost.observe(rows, forward_ms, overhead_ms, trees=trees, requests=requests,
                           nodes=nodes)
-        self.calibration.now += 1
-        self.acceptance.now += 1
+        self.clock.steps += 1
         if trees and overhead_ms is not None and decode_only(rows, requests, nodes):
             self.calibration.observe_time(requests, predicted_ms, taken_ms)
 
