@@ -212,8 +212,8 @@ def teacher_forced(model, seqs: list[list[int]], prompt_lens: list[int], hidden_
                    topk: int) -> list[dict]:
     """The target's tapped rows and top-K probabilities along given sequences (prompt plus its
     greedy continuation), in one causal forward per batch: the format ``generate_batch``
-    produces (rows of positions 0 .. T-2, top-K at the positions P-1+1 .. T-2 that predict a
-    generated token). Right padding leaves every real position unchanged under a causal mask."""
+    produces (rows of positions 0 .. T-2, top-K at the positions P .. T-2, whose next
+    token is a generated one). Right padding leaves every real position unchanged under a causal mask."""
     b = len(seqs)
     L = max(len(s) for s in seqs) - 1
     ids = torch.zeros(b, L, dtype=torch.long)
@@ -277,7 +277,6 @@ def build_data(args, model, tok, hidden_ids, t_start: float) -> dict:
             if (s0 // args.gen_batch) % 20 == 0:
                 log(f"teacher-forced {s0 + len(chunk)}/{len(items)} sequences "
                     f"[{(time.time() - t_start) / 60:.1f} min]")
-        items = []
     deadline = t_start + args.data_budget_min * 60
     for split, items in (() if args.generator == "vllm" else (("eval", held), ("train", train))):
         # batches of similar lengths (little padding), taken in a shuffled order so that a
@@ -424,7 +423,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-min", type=float, default=56.0, help="whole run, wall minutes")
     ap.add_argument("--eval-reserve-min", type=float, default=6.0)
     ap.add_argument("--data-budget-min", type=float, default=18.0,
-                    help="stop generating training continuations after this many minutes")
+                    help="--generator hf: stop generating training continuations after this many minutes")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--init", default=None,
