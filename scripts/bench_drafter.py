@@ -2,9 +2,10 @@
 """What PCTree's drafter costs per step on this machine, apart from any engine: the block
 (backbone and output projection over the block) and the tree expansion, for one request
 with a context of random target rows, in torch's GEMM and in vLLM's prepacked CPU GEMM
-(fp32 and bf16). Prints ms per call (mean of --calls after two warm-up calls).
+(fp32 and bf16), over the drafter's draft vocabulary and over all words. Prints ms per call
+(mean of --calls after two warm-up calls).
 
-  python scripts/bench_drafter.py [--context 300] [--calls 20]
+  python scripts/bench_drafter.py [--context 300] [--calls 20] [--draft-vocab 0,8192]
 """
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--context", type=int, default=300, help="context rows of the request")
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--draft-vocab", default="0,default",
+                    help="draft-vocabulary sizes (speculative_config['draft_vocab']; 0: all words, "
+                         "default: the drafter folder's)")
     args = ap.parse_args()
 
     import torch
@@ -37,14 +41,15 @@ def main() -> int:
     kernel = engine_linear_kernel(torch.device("cpu"))
     variants = [("torch", None, torch.float32), ("vLLM oneDNN", kernel, torch.float32),
                 ("vLLM oneDNN", kernel, torch.bfloat16)]
+    sizes = [None if v.strip() == "default" else int(v) for v in args.draft_vocab.split(",")]
     print(f"torch threads {torch.get_num_threads()}; context {args.context} rows\n")
-    print("| GEMM | dtype | block ms | expansion ms | total ms |")
-    print("|---|---|---|---|---|")
-    for name, make, dtype in variants:
+    print("| GEMM | dtype | draft vocabulary | block ms | expansion ms | total ms |")
+    print("|---|---|---|---|---|---|")
+    for (name, make, dtype), size in ((v, s) for v in variants for s in sizes):
         if make is None and name != "torch":
-            print(f"| {name} | {dtype} | — | — | not available |")
+            print(f"| {name} | {dtype} | — | — | — | not available |")
             continue
-        m = PCTreeMethod(PCTreeConfig(), target, dtype=dtype, linear_kernel=make)
+        m = PCTreeMethod(PCTreeConfig(draft_vocab=size), target, dtype=dtype, linear_kernel=make)
         d, c = m.drafter, m.config
         ctx = d.new_context(4096)
         d.append_context(ctx, torch.randn(args.context, d.context_dim,
@@ -54,9 +59,10 @@ def main() -> int:
             block = ms(lambda: d.draft_block([ctx], [5]))
             expand = ms(lambda: expand_trees(U, [5], markov=d.markov_head, hidden=h,
                                              k=c.branching, max_nodes=c.max_nodes,
-                                             depth=c.depth, mode=c.mode))
-        print(f"| {name} | {str(dtype).replace('torch.', '')} | {block:.1f} | {expand:.1f} | "
-              f"{block + expand:.1f} |")
+                                             depth=c.depth, mode=c.mode, vocab_ids=d.draft_vocab))
+        words = U.shape[-1]
+        print(f"| {name} | {str(dtype).replace('torch.', '')} | {words} | {block:.1f} | "
+              f"{expand:.1f} | {block + expand:.1f} |")
     return 0
 
 

@@ -67,11 +67,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from vllm_ptd.pctree.checkpoint import save_drafter, target_config_dict  # noqa: E402
+from vllm_ptd.pctree.draft_vocab import draft_vocab_ids, rank_tokens, write_draft_vocab  # noqa: E402
 from vllm_ptd.pctree.drafter import DSparkConfig, DSparkDrafter  # noqa: E402
 from vllm_ptd.pctree.expand import expand_trees  # noqa: E402
 
 SPEC_BENCH_TRAIN_CATEGORIES = ("translation", "summarization", "qa", "rag")
 DEFAULT_OUT = REPO / "vllm_ptd" / "pctree" / "drafters" / "dspark-smollm2-135m"
+DEFAULT_DRAFT_VOCAB = 8192  # words; see the drafter README for the held-out tau it costs
 
 
 def log(msg: str) -> None:
@@ -367,7 +369,7 @@ def heldout_tau(drafter: DSparkDrafter, seqs: list[dict], modes: list[tuple[str,
             U, h = drafter.draft_block(ctx, ids[a], a)
             for mode, k, n in modes:
                 tree = expand_trees(U, ids[a], markov=drafter.markov_head, hidden=h, k=k,
-                                    max_nodes=n, mode=mode)[0]
+                                    max_nodes=n, mode=mode, vocab_ids=drafter.draft_vocab)[0]
                 children = tree.children()
                 cur, got = -1, 0
                 while a + got + 1 <= T - 1:
@@ -382,21 +384,44 @@ def heldout_tau(drafter: DSparkDrafter, seqs: list[dict], modes: list[tuple[str,
             for m, v in acc.items()}
 
 
+def save_draft_vocab(out: Path, data: dict, size: int) -> None:
+    """The drafter's draft vocabulary (vllm_ptd/pctree/draft_vocab.py): the words of the
+    training continuations by count."""
+    seqs = [s["ids"].tolist()[s["prompt_len"]:] for s in data["train"]]
+    ranked = rank_tokens(seqs)
+    path = write_draft_vocab(out, ranked, size, f"scripts/train_dspark.py: the {len(ranked)} words of "
+                             f"{len(seqs)} training continuations ({sum(map(len, seqs))} tokens) by count")
+    log(f"wrote {path}: {len(ranked)} ranked words, default size {size}")
+
+
 def evaluate(args, cfg, out: Path, target, embeddings, data, meta, t_start) -> None:
-    """Held-out tau of the saved drafter (bf16-rounded weights, as they will be used); the
-    figures go to the log and into the drafter's config.json."""
+    """Held-out tau of the saved drafter (bf16-rounded weights, as they will be used), with
+    its folder's draft vocabulary and with each of ``--eval-vocab``; the figures go to the
+    log and into the drafter's config.json."""
     from vllm_ptd.pctree.checkpoint import load_drafter
 
     ev = load_drafter(out, target, embeddings, dtype=torch.float32)
     modes = [("chain", 1, cfg.block_size + 1), ("shared", args.eval_k, args.eval_nodes),
              ("pctree", args.eval_k, args.eval_nodes)]
-    res = heldout_tau(ev, data["eval"], modes, stride=args.eval_stride)
-    for mode, k, n in modes:
-        r = res[mode]
-        log(f"held-out tau {mode:7s} (k={k}, N={n}): {r['tau']:.3f} over {r['anchors']} anchors; "
-            f"by source {r['per_source']}")
+    sizes = [None] + [int(x) for x in args.eval_vocab.split(",") if x.strip()]
+    by_vocab = {}
+    for size in sizes:
+        ev.restrict_vocab(draft_vocab_ids(out, size, cfg.vocab_size))
+        name = "folder default" if size is None else str(size)
+        words = cfg.vocab_size if ev.draft_vocab is None else ev.draft_vocab.numel()
+        r_v = heldout_tau(ev, data["eval"], modes, stride=args.eval_stride)
+        for mode, k, n in modes:
+            r = r_v[mode]
+            log(f"held-out tau {mode:7s} (k={k}, N={n}), draft vocabulary {name} ({words} words): "
+                f"{r['tau']:.3f} over {r['anchors']} anchors; by source {r['per_source']}")
+        if size is None:
+            res = r_v
+        else:
+            by_vocab[str(size)] = {m: round(v["tau"], 3) for m, v in r_v.items()}
     info = meta.setdefault("vllm_ptd_training", {})
     info["heldout_tau"] = {m: round(v["tau"], 3) for m, v in res.items()}
+    if by_vocab:
+        info["heldout_tau_by_draft_vocab"] = by_vocab
     info["heldout_eval"] = {"sequences": len(data["eval"]), "stride": args.eval_stride,
                             "estimator": "per-anchor greedy acceptance + 1",
                             "k": args.eval_k, "max_nodes": args.eval_nodes}
@@ -458,6 +483,12 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-only", action="store_true",
                     help="only measure held-out tau of the drafter at --out (same data cache)")
     ap.add_argument("--eval-stride", type=int, default=3, help="held-out anchors: every n-th position")
+    ap.add_argument("--draft-vocab-size", type=int, default=DEFAULT_DRAFT_VOCAB,
+                    help="default draft vocabulary written to the drafter folder (0: all words)")
+    ap.add_argument("--write-draft-vocab", action="store_true",
+                    help="with --eval-only: (re)write the folder's draft vocabulary from the data cache")
+    ap.add_argument("--eval-vocab", default="",
+                    help="also measure held-out tau with these draft-vocabulary sizes (e.g. 0,16384,8192)")
     args = ap.parse_args(argv)
 
     t_start = time.time()
@@ -506,6 +537,8 @@ def main(argv=None) -> int:
     lm = model.get_output_embeddings().weight.detach()
     out = Path(args.out)
     if args.eval_only:
+        if args.write_draft_vocab:
+            save_draft_vocab(out, data, args.draft_vocab_size)
         evaluate(args, cfg, out, target, (embed, lm), data, {"vllm_ptd_training": {}}, t_start)
         return 0
 
@@ -593,6 +626,7 @@ def main(argv=None) -> int:
     save_drafter(drafter, out, compact=True, dtype=torch.bfloat16, extra_config=meta)
     size = (out / "model.safetensors").stat().st_size
     log(f"saved {out} ({size / 1e6:.1f} MB)")
+    save_draft_vocab(out, data, args.draft_vocab_size)
 
     evaluate(args, cfg, out, target, (embed, lm), data, meta, t_start)
     log(f"done in {(time.time() - t_start) / 60:.1f} min")

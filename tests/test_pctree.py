@@ -520,3 +520,70 @@ def test_tied_target_embeddings_are_converted_once():
     torch.testing.assert_close(dr.lm_head.weight, tied[:V].float())
     dr.set_target_embeddings(torch.randn(V, D), torch.randn(V, D))
     assert dr.embed_tokens.weight is not dr.lm_head.weight
+
+
+@pytest.mark.parametrize("mode,k", [("pctree", 3), ("shared", 3), ("chain", 1)])
+@pytest.mark.parametrize("kind", ["vanilla", "gated"])
+def test_draft_vocabulary_equals_masking_the_other_words(mode, k, kind):
+    """Drafting from a draft vocabulary gives the trees (and scores) of drafting from all
+    words with every other word's logit at -inf: the restricted output projection, Markov
+    bias and column-to-token mapping change nothing else."""
+    dr = make_drafter(seed=6, kind=kind)
+    ids = torch.randperm(V, generator=torch.Generator().manual_seed(1))[:40]
+    ctxs = []
+    for i, n in enumerate([6, 11]):
+        c = dr.new_context()
+        dr.append_context(c, rows(n, 30 + i), 0)
+        ctxs.append(c)
+    roots = [int(ids[3]), 17]  # a root need not be in the draft vocabulary
+    U, h = dr.draft_block(ctxs, roots)
+    masked = torch.full_like(U, float("-inf"))
+    masked[..., ids] = U[..., ids]
+
+    class MaskedMarkov:  # the full head's bias, -inf outside the draft vocabulary
+        def bias(self, prev, hidden=None):
+            b = dr.markov_head.bias(prev, hidden)
+            out = torch.full_like(b, float("-inf"))
+            out[..., ids] = b[..., ids]
+            return out
+
+    want = expand_trees(masked, roots, markov=MaskedMarkov(), hidden=h, k=k, max_nodes=12,
+                        mode=mode, return_scores=True)
+    dr.restrict_vocab(ids)
+    U_sub, h_sub = dr.draft_block(ctxs, roots)
+    assert U_sub.shape[-1] == len(ids)
+    torch.testing.assert_close(U_sub, U[..., ids])
+    got = expand_trees(U_sub, roots, markov=dr.markov_head, hidden=h_sub, k=k, max_nodes=12,
+                       mode=mode, return_scores=True, vocab_ids=dr.draft_vocab)
+    assert [(t.tokens, t.parents) for t in got.trees] == [(t.tokens, t.parents) for t in want.trees]
+    assert all(set(t.tokens) <= set(ids.tolist()) for t in got.trees)
+    for a, b in zip(got.scores, want.scores):
+        assert a == pytest.approx(b, abs=1e-5)
+    dr.restrict_vocab(None)
+    torch.testing.assert_close(dr.draft_block(ctxs, roots)[0], U)
+
+
+def test_draft_vocabulary_file_and_key(tmp_path):
+    from vllm_ptd.pctree.draft_vocab import draft_vocab_ids, rank_tokens, write_draft_vocab
+
+    assert rank_tokens([[5, 9, 9, 3], [3, 9]]) == [9, 3, 5]
+    assert draft_vocab_ids(tmp_path, None, V) is None  # no file: every word
+    assert draft_vocab_ids(tmp_path, 4, V) == [0, 1, 2, 3]  # no ranking: id order
+    write_draft_vocab(tmp_path, [9, 3, 5], 6, "test")
+    assert draft_vocab_ids(tmp_path, None, V) == [9, 3, 5, 0, 1, 2]  # the folder's default
+    assert draft_vocab_ids(tmp_path, 2, V) == [9, 3]
+    assert draft_vocab_ids(tmp_path, 0, V) is None
+    assert draft_vocab_ids(tmp_path, V, V) is None
+    with pytest.raises(ValueError, match=r"'draft_vocab'\] = 97 exceeds"):
+        draft_vocab_ids(tmp_path, V + 1, V)
+    with pytest.raises(ValueError, match="draft_vocab"):
+        PCTreeConfig(draft_vocab=-1)
+    dr = make_drafter(seed=4)
+    save_drafter(dr, tmp_path)
+    emb = dr.embed_tokens.weight.detach()
+    m = PCTreeMethod(PCTreeConfig(model=str(tmp_path), max_nodes=9), TARGET, emb)
+    assert m.drafter.draft_vocab.tolist() == [9, 3, 5, 0, 1, 2]
+    m.start("a", list(range(5)), rows(5, 1))
+    assert set(m.propose(["a"], [7])[0].tokens) <= {9, 3, 5, 0, 1, 2}
+    m = PCTreeMethod(PCTreeConfig(model=str(tmp_path), draft_vocab=0), TARGET, emb)
+    assert m.drafter.draft_vocab is None

@@ -42,6 +42,8 @@ class PCTreeConfig:
     mode: str = "pctree"
     budget: str = "auto"         # "auto"/"per_step": each step's tree sized by the cost model
     drafter_dtype: str = "auto"  # "auto": see drafter_torch_dtype
+    # words drafts are drawn from: None = the drafter folder's default, 0 = all (draft_vocab.py)
+    draft_vocab: int | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -54,6 +56,8 @@ class PCTreeConfig:
         check_choice("mode", self.mode, MODES)
         check_choice("budget", self.budget, BUDGET_MODES)
         check_choice("drafter_dtype", self.drafter_dtype, DRAFTER_DTYPES)
+        if self.draft_vocab is not None:
+            check_int("draft_vocab", self.draft_vocab, 0, 1 << 24)
         if self.mode == "chain" and self.branching not in (None, 1):
             raise ValueError(f"speculative_config['mode'] = 'chain' is plain DSpark with "
                              f"branching 1, but speculative_config['branching'] = "

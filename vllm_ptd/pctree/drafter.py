@@ -409,6 +409,8 @@ class MarkovHead(nn.Module):
             if hidden_size is None:
                 raise ValueError("a gated Markov head needs hidden_size")
             self.gate_proj = nn.Linear(hidden_size + rank, rank)
+        # markov_w2's rows of the drafter's draft vocabulary (DSparkDrafter.restrict_vocab)
+        self.draft_w2: nn.Module | None = None
 
     def prev_embeddings(self, prev: torch.Tensor) -> torch.Tensor:
         return self.markov_w1(prev.long())
@@ -422,7 +424,8 @@ class MarkovHead(nn.Module):
                 raise ValueError("the gated Markov head needs the block hidden states")
             hb = hidden.to(e.dtype).expand(*e.shape[:-1], hidden.shape[-1])
             e = e * torch.sigmoid(self.gate_proj(torch.cat([hb, e], dim=-1)))
-        return self.markov_w2(e)
+        out = self.markov_w2 if self.draft_w2 is None else self.draft_w2
+        return out(e)
 
 
 class ConfidenceHead(nn.Module):
@@ -519,6 +522,9 @@ class DSparkDrafter(nn.Module):
         self.lm_head = nn.Linear(d, V, bias=False)
         self.markov_head = (MarkovHead(V, cfg.markov_rank, cfg.markov_head_type, d)
                             if cfg.markov_rank > 0 else None)
+        # restrict_vocab: the token ids drafts are drawn from, and lm_head's rows for them
+        self.draft_vocab: torch.Tensor | None = None
+        self.draft_lm_head: nn.Module | None = None
         self.confidence_head = None
         if cfg.enable_confidence_head:
             dim = d + (cfg.markov_rank if cfg.confidence_head_with_markov else 0)
@@ -583,6 +589,40 @@ class DSparkDrafter(nn.Module):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
                     setattr(parent, name, KernelLinear(child, make))
+
+    @torch.no_grad()
+    def restrict_vocab(self, token_ids: torch.Tensor | Sequence[int] | None) -> None:
+        """Draft only from ``token_ids`` (None: the whole vocabulary again). Inference only:
+        ``draft_block`` then returns logits over these ids, in this order, and the Markov
+        head's bias likewise (its input, the parent token, stays any token id);
+        ``expand_trees(..., vocab_ids=drafter.draft_vocab)`` maps children back to token ids.
+        Why: the output projection and the expansion's softmax and top-k over all 49152
+        words are most of a drafting step on a CPU; the few thousand most frequent words
+        carry nearly all of the tokens a draft gets accepted for (FR-Spec, Zhao et al. 2025).
+        Call before :meth:`use_linear_kernel`."""
+        if token_ids is None:
+            self.draft_vocab = self.draft_lm_head = None
+            if self.markov_head is not None:
+                self.markov_head.draft_w2 = None
+            return
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        V = self.config.vocab_size
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= V \
+                or ids.unique().numel() != ids.numel():
+            raise ValueError(f"a draft vocabulary must be distinct token ids in [0, {V}), got "
+                             f"{ids.numel()} ids")
+        ids = ids.to(self.device)
+
+        def rows_of(linear: nn.Linear) -> nn.Linear:
+            sub = nn.Linear(linear.in_features, ids.numel(), bias=False,
+                            device=self.device, dtype=linear.weight.dtype)
+            sub.weight = nn.Parameter(linear.weight.detach()[ids].contiguous(), requires_grad=False)
+            return sub
+
+        self.draft_vocab = ids
+        self.draft_lm_head = rows_of(self.lm_head)
+        if self.markov_head is not None:
+            self.markov_head.draft_w2 = rows_of(self.markov_head.markov_w2)
 
     # ---- context ----------------------------------------------------------------------
     def project_context(self, hidden_rows: torch.Tensor) -> torch.Tensor:
@@ -665,7 +705,8 @@ class DSparkDrafter(nn.Module):
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One batched backbone call. For each request: block ``[x0, MASK * (B-1)]`` at
         positions ``pos .. pos+B-1`` (``pos`` defaults to the context's ``next_position``).
-        Returns base logits ``U`` ``[b, B, V]`` (float32) and hidden ``h`` ``[b, B, d]``;
+        Returns base logits ``U`` ``[b, B, V]`` (float32; ``V`` = the draft vocabulary's
+        size after :meth:`restrict_vocab`) and hidden ``h`` ``[b, B, d]``;
         for a single context (not a list) the batch dimension is dropped. The block's K/V
         are never stored: the context is unchanged."""
         single = isinstance(ctxs, DraftContext)
@@ -707,7 +748,7 @@ class DSparkDrafter(nn.Module):
             full = torch.cat([valid, torch.ones(b, B, dtype=torch.bool)], dim=1)
             mask = full[:, None, None, :].expand(b, 1, B, Lmax + B).to(dev)
         h = self.backbone(block_ids.to(dev), block_pos.to(dev), ctx_k, ctx_v, mask)
-        U = self.lm_head(h).float()
+        U = (self.lm_head if self.draft_lm_head is None else self.draft_lm_head)(h).float()
         if single:
             return U[0], h[0]
         return U, h

@@ -76,7 +76,7 @@ def _children(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
 @torch.no_grad()
 def expand_trees(U: torch.Tensor, roots, *, markov=None, hidden: torch.Tensor | None = None,
                  k: int, max_nodes: int, depth: int | None = None, mode: str = "pctree",
-                 return_scores: bool = False):
+                 return_scores: bool = False, vocab_ids: torch.Tensor | None = None):
     """Expand one tree per request.
 
     ``U``: base logits ``[R, B, V]`` (or ``[B, V]`` for one request); ``roots``: the last
@@ -84,7 +84,9 @@ def expand_trees(U: torch.Tensor, roots, *, markov=None, hidden: torch.Tensor | 
     :class:`~vllm_ptd.pctree.drafter.MarkovHead` (None: no Markov bias); ``hidden``: block
     hidden ``[R, B, d]`` (gated Markov heads only); ``k``: branching (frontier size and
     children per parent); ``max_nodes``: N, nodes kept including the root; ``depth``: stages
-    (default B). Returns a list of :class:`FlatTree` (root excluded, parents first, ranked),
+    (default B); ``vocab_ids``: the token id of each of ``U``'s ``V`` columns when the
+    drafter drafts from a part of the vocabulary (``DSparkDrafter.draft_vocab``; None: column
+    = token id). Returns a list of :class:`FlatTree` (root excluded, parents first, ranked),
     or an :class:`ExpansionResult` with ``return_scores``.
     """
     if mode not in MODES:
@@ -106,6 +108,12 @@ def expand_trees(U: torch.Tensor, roots, *, markov=None, hidden: torch.Tensor | 
     if not 0 <= D <= Bsz:
         raise ValueError(f"depth {D} exceeds the block size {Bsz}")
     k = min(k, V)
+    if vocab_ids is not None and vocab_ids.numel() != V:
+        raise ValueError(f"vocab_ids has {vocab_ids.numel()} token ids for {V} logit columns")
+
+    def token_ids(cols: torch.Tensor) -> torch.Tensor:
+        return cols if vocab_ids is None else vocab_ids[cols]
+
     roots_t = torch.as_tensor(roots, dtype=torch.long, device=dev).reshape(-1)
     if roots_t.numel() != R:
         raise ValueError(f"{R} requests but {roots_t.numel()} roots")
@@ -126,7 +134,7 @@ def expand_trees(U: torch.Tensor, roots, *, markov=None, hidden: torch.Tensor | 
         for d in range(D):
             lg = _stage_logits(U, d, prev, markov, hidden)  # [R, 1, V]
             shared_logits.append(lg)
-            prev = lg.argmax(dim=-1)
+            prev = token_ids(lg.argmax(dim=-1))
 
     f_idx = torch.zeros(R, 1, dtype=torch.long, device=dev)
     f_score = torch.zeros(R, 1, dtype=torch.float32, device=dev)
@@ -139,6 +147,7 @@ def expand_trees(U: torch.Tensor, roots, *, markov=None, hidden: torch.Tensor | 
             vals, idx = vals.expand(R, b, k), idx.expand(R, b, k)
         else:
             vals, idx = _children(_stage_logits(U, d, f_tok, markov, hidden), k)
+        idx = token_ids(idx)
         cs = (f_score.unsqueeze(-1) + vals).reshape(R, b * k)
         n_new = b * k
         sl = slice(nxt, nxt + n_new)

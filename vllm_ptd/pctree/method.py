@@ -37,6 +37,7 @@ import torch
 from vllm_ptd.method import StepOutcome, TreeMethod
 from vllm_ptd.pctree.checkpoint import check_drafter_fits, load_drafter, target_config_dict
 from vllm_ptd.pctree.config import PCTreeConfig
+from vllm_ptd.pctree.draft_vocab import draft_vocab_ids
 from vllm_ptd.pctree.drafter import DraftContext, DSparkDrafter, LinearKernelFactory
 from vllm_ptd.pctree.expand import expand_trees
 from vllm_ptd.tree import FlatTree
@@ -136,6 +137,8 @@ class PCTreeMethod(TreeMethod[_Request]):
         else:
             self.drafter_path = None
         self.drafter = drafter.eval()
+        self.drafter.restrict_vocab(draft_vocab_ids(self.drafter_path, config.draft_vocab,
+                                                    drafter.config.vocab_size))
         if linear_kernel is not None:
             self.drafter.use_linear_kernel(linear_kernel)
         self.config = config.for_block_size(drafter.block_size)
@@ -203,7 +206,8 @@ class PCTreeMethod(TreeMethod[_Request]):
         roots = [int(last_tokens[i]) for i in live]
         U, h = self.drafter.draft_block(ctxs, roots)
         res = expand_trees(U, roots, markov=self.drafter.markov_head, hidden=h, k=c.branching,
-                           max_nodes=c.max_nodes, depth=c.depth, mode=c.mode, return_scores=True)
+                           max_nodes=c.max_nodes, depth=c.depth, mode=c.mode, return_scores=True,
+                           vocab_ids=self.drafter.draft_vocab)
         for i, t, joint in zip(live, res.trees, res.scores):
             # the drafter's P(node | parent): its joint log-score minus its parent's; calibrated
             # per depth by the budget
