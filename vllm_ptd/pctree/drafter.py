@@ -596,10 +596,7 @@ class DSparkDrafter(nn.Module):
         ``draft_block`` then returns logits over these ids, in this order, and the Markov
         head's bias likewise (its input, the parent token, stays any token id);
         ``expand_trees(..., vocab_ids=drafter.draft_vocab)`` maps children back to token ids.
-        Why: the output projection and the expansion's softmax and top-k over all 49152
-        words are most of a drafting step on a CPU; the few thousand most frequent words
-        carry nearly all of the tokens a draft gets accepted for (FR-Spec, Zhao et al. 2025).
-        Call before :meth:`use_linear_kernel`. The row copies join the state dict
+        Why, and where the ids come from: :mod:`vllm_ptd.pctree.draft_vocab`. Call before :meth:`use_linear_kernel`. The row copies join the state dict
         (``draft_lm_head``, ``markov_head.draft_w2``): save a drafter unrestricted."""
         if token_ids is None:
             self.draft_vocab = self.draft_lm_head = None
