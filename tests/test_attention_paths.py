@@ -1,8 +1,11 @@
 """The CPU tree-attention path against vLLM's own C++ ops, without an engine.
 
-* ``gather_kv_vec`` reads back exactly what vLLM's cache writer stored (``vec`` layout);
-* the tree rows' torch attention equals vLLM's C++ attention wherever the tree mask is
-  causal (a chain), and a dense masked softmax for a real tree;
+* ``gather_kv_vec`` (the tests' torch twin of the cache) reads back exactly what vLLM's cache
+  writer stored (``vec`` layout);
+* the torch reference, ``grouped_masked_attention``, equals vLLM's C++ attention wherever the
+  tree mask is causal (a chain), and a dense masked softmax for a real tree;
+* the backend's path requests give every tree row of random batches of trees what the torch
+  reference gives it, and leave every other row alone;
 * re-writing rows through the cache writer (KV compaction) moves exactly those rows.
 """
 from __future__ import annotations
@@ -14,10 +17,55 @@ import torch.nn.functional as F
 pytest.importorskip("vllm")
 from vllm import _custom_ops as ops  # noqa: E402
 
-from vllm_ptd.integration.cpu_attention import gather_kv_vec, grouped_masked_attention  # noqa: E402
 from vllm_ptd.tree import FlatTree  # noqa: E402
 
 KVH, D, BS = 2, 64, 32
+
+
+def gather_kv_vec(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V of one request, each [num_kv_heads, seq_len, head_dim], from a ``vec``-layout
+    cache [num_blocks, num_kv_heads, block_size, 2 * head_dim]: K column-major [D, bs] and V
+    row-major [bs, D] per block and head."""
+    _, kvh, bs, two_d = kv_cache.shape
+    d = two_d // 2
+    pages = kv_cache[block_ids].reshape(len(block_ids), kvh, 2, bs * d)
+    k = pages[:, :, 0].reshape(-1, kvh, d, bs).transpose(-1, -2)  # [nb, kvh, bs, d]
+    v = pages[:, :, 1].reshape(-1, kvh, bs, d)
+    k = k.permute(1, 0, 2, 3).reshape(kvh, -1, d)[:, :seq_len]
+    v = v.permute(1, 0, 2, 3).reshape(kvh, -1, d)[:, :seq_len]
+    return k, v
+
+
+def grouped_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of m query rows [m, Hq, D] over keys/values [Hkv, s, D] with a [m, s] bool
+    mask (True = may attend); fp32 softmax; returns [m, Hq, D]."""
+    m, hq, d = q.shape
+    hkv = k.shape[0]
+    rep = hq // hkv
+    qg = q.float().reshape(m, hkv, rep, d).permute(1, 2, 0, 3).reshape(hkv, rep * m, d)
+    scores = torch.bmm(qg, k.float().transpose(1, 2)) * scale  # [hkv, rep*m, s]
+    scores = scores.view(hkv, rep, m, -1).masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(hkv, rep * m, -1)
+    o = torch.bmm(probs, v.float())  # [hkv, rep*m, d]
+    return o.view(hkv, rep, m, d).permute(2, 0, 1, 3).reshape(m, hq, d)
+
+
+def _impl(num_heads: int, dtype=torch.float32):
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from vllm_ptd.integration.cpu_attention import TreeCPUAttentionImpl
+
+    config = VllmConfig()
+    config.model_config = SimpleNamespace(dtype=dtype)  # all the impl reads of it
+    with set_current_vllm_config(config):
+        impl = TreeCPUAttentionImpl(num_heads=num_heads, head_size=D, scale=D ** -0.5,
+                                    num_kv_heads=KVH, alibi_slopes=None, sliding_window=None,
+                                    kv_cache_dtype="auto")
+    return impl, SimpleNamespace(isa="vec", _k_scale_float=1.0, _v_scale_float=1.0)
 
 
 def _caches(num_blocks, dtype):
@@ -108,6 +156,92 @@ def test_tree_rows_match_dense_reference_on_a_tree():
         assert torch.allclose(ours[i], (w @ vv).squeeze(1), atol=1e-5)
 
 
+def _random_tree(g: torch.Generator, n: int, causal_tail: int) -> FlatTree:
+    """n nodes: a random chain prefix, then random parents (parents first), the last
+    ``causal_tail`` of them a causal tail."""
+    chain = int(torch.randint(0, n + 1, (1,), generator=g))
+    parents = [i - 1 for i in range(chain)]
+    for i in range(chain, n):
+        parents.append(int(torch.randint(-1, i, (1,), generator=g)))
+    nv = max(0, n - causal_tail)
+    return FlatTree(list(range(n)), parents, num_verify=nv, causal_from=nv)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_path_requests_give_every_tree_row_its_ancestor_attention(seed):
+    """A random batch (a prefill row, then tree requests with random contexts around block
+    boundaries, chains, causal tails, fp32 and bf16): each tree row needing the tree mask gets
+    the dense masked reference over prefix + root + ancestors; every other row keeps what the
+    causal op wrote."""
+    from vllm_ptd.integration.cpu_attention import path_requests
+    from vllm_ptd.integration.step import build_step, chain_prefix
+
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16 if seed % 3 == 2 else torch.float32
+    hq = KVH * int(torch.randint(1, 4, (1,), generator=g))
+    impl, layer = _impl(hq, dtype)
+    num_trees = int(torch.randint(1, 4, (1,), generator=g))
+    trees = [_random_tree(g, int(torch.randint(1, 13, (1,), generator=g)),
+                          int(torch.randint(0, 3, (1,), generator=g)) * (seed % 2))
+             for _ in range(num_trees)]
+    contexts = [int(torch.randint(0, 3 * BS, (1,), generator=g)) for _ in trees]
+    max_blocks = (3 * BS + 14) // BS + 1
+    num_blocks = 1 + max_blocks * num_trees
+    block_table = torch.zeros(num_trees + 1, max_blocks, dtype=torch.int32)
+    block_table[1:] = (1 + torch.randperm(num_blocks - 1, generator=g)[: num_trees * max_blocks]
+                       ).view(num_trees, max_blocks).to(torch.int32)
+    row_start, rows = [], 1  # row 0: another request's prefill row
+    for t in trees:
+        row_start.append(rows)
+        rows += 1 + t.num_nodes
+    step = build_step([str(i) for i in range(num_trees)], list(range(1, num_trees + 1)), trees,
+                      row_start, contexts, torch.zeros(rows, dtype=torch.int64))
+    parts = _caches(num_blocks, dtype)
+    key = torch.randn(rows, KVH, D, generator=g).to(dtype)
+    value = torch.randn(rows, KVH, D, generator=g).to(dtype)
+    query = torch.randn(rows, hq, D, generator=g).to(dtype)
+    prefix_k, prefix_v = [], []
+    for i, (t, c) in enumerate(zip(trees, contexts)):
+        seq_len = c + 1 + t.num_nodes
+        slots = block_table[i + 1].long()[torch.arange(seq_len) // BS] * BS \
+            + torch.arange(seq_len) % BS
+        pk = torch.randn(c, KVH, D, generator=g).to(dtype)
+        pv = torch.randn(c, KVH, D, generator=g).to(dtype)
+        r0 = row_start[i]
+        _write(parts, torch.cat([pk, key[r0: r0 + 1 + t.num_nodes]]),
+               torch.cat([pv, value[r0: r0 + 1 + t.num_nodes]]), slots)
+        prefix_k.append(pk)
+        prefix_v.append(pv)
+    output = torch.randn(rows, hq * D, generator=g).to(dtype)
+    before = output.clone()
+    paths = path_requests(step, block_table, BS)
+    if paths is not None:
+        impl._attend_paths(paths, layer, query, key, value, parts[0], output)
+    out = output.view(rows, hq, D).float()
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    recomputed = set()
+    for i, (t, c) in enumerate(zip(trees, contexts)):
+        seq_len = c + 1 + t.num_nodes
+        k, v = gather_kv_vec(parts[0], block_table[i + 1].long(), seq_len)
+        lo, hi = chain_prefix(t), t.causal_from
+        for j in range(lo, hi):
+            row = row_start[i] + 1 + j
+            mask = torch.zeros(1, seq_len, dtype=torch.bool)
+            mask[0, : c + 1] = True
+            mask[0, [c + 1 + a for a in t.path_to(j)]] = True
+            ref = grouped_masked_attention(query[row: row + 1], k, v, mask, D ** -0.5)
+            torch.testing.assert_close(out[row], ref[0], atol=tol, rtol=tol)
+            recomputed.add(row)
+    others = [r for r in range(rows) if r not in recomputed]
+    assert torch.equal(output[others], before[others])
+    assert paths is None or sorted(paths.query_rows.tolist()) == sorted(recomputed)
+    # the cache itself is left as it was: paths are laid out in a scratch copy
+    for i, (t, c) in enumerate(zip(trees, contexts)):
+        k, _ = gather_kv_vec(parts[0], block_table[i + 1].long(), c + 1 + t.num_nodes)
+        r0 = row_start[i]
+        assert torch.equal(k.transpose(0, 1)[c:], key[r0: r0 + 1 + t.num_nodes])
+
+
 def test_rewriting_rows_moves_exactly_those_slots():
     g = torch.Generator().manual_seed(3)
     parts = _caches(2, torch.float32)
@@ -129,21 +263,11 @@ def test_accepted_rows_move_from_a_copy_not_the_forward_buffer():
     buffers that torch.compile's generated code reuses once the op returns. The rows the walk
     later moves must be the ones the forward computed, even after the caller's ``key`` /
     ``value`` buffers were overwritten."""
-    from types import SimpleNamespace
-
-    from vllm_ptd.integration.cpu_attention import TreeCPUAttentionImpl
     from vllm_ptd.integration.proposer import accepted_kv_moves, move_kv
     from vllm_ptd.integration.step import StepChannel, build_step
 
-    from vllm.config import VllmConfig, set_current_vllm_config
-
     g = torch.Generator().manual_seed(4)
-    config = VllmConfig()
-    config.model_config = SimpleNamespace(dtype=torch.float32)  # all the impl reads of it
-    with set_current_vllm_config(config):
-        impl = TreeCPUAttentionImpl(num_heads=4, head_size=D, scale=D ** -0.5, num_kv_heads=KVH,
-                                    alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
-    layer = SimpleNamespace(isa="vec", _k_scale_float=1.0, _v_scale_float=1.0)
+    impl, layer = _impl(num_heads=4)
     # two tree requests after one prefill row: request rows [root, nodes...]
     trees = [FlatTree([1, 2, 3, 4], [-1, -1, 1, 2]), FlatTree([5, 6, 7], [-1, 0, -1])]
     row_start, context = [1, 6], [30, 50]

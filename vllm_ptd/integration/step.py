@@ -20,18 +20,6 @@ from vllm_ptd.kernels import TreeMask, build_tree_mask, write_node_positions
 from vllm_ptd.tree import FlatTree, TreeBatch
 
 
-@dataclass
-class TreeRows:
-    """CPU attention work: per tree request, the rows that need the tree mask instead of
-    causal attention (from the first branch, ``chain_prefix``, to ``causal_from``) and their
-    mask over the request's keys (keys 0..c are the committed prefix and the root; key
-    c+1+j is node j)."""
-
-    batch_indices: list[int]
-    req_rows: list[tuple[int, int, int]]  # (first tree row, rows, seq_len)
-    masks: list[torch.Tensor]  # [rows, seq_len] bool, True = may attend
-
-
 class DeviceTensors(NamedTuple):
     batch_indices: torch.Tensor
     context: torch.Tensor
@@ -49,15 +37,26 @@ class TreeStep:
     context: torch.Tensor         # [T] int64, position of their root (= computed tokens)
     trees: list[FlatTree]         # the trees as scheduled (maybe cut short)
     batch: TreeBatch              # the same, packed
-    mask: TreeMask                # ancestor masks of all trees (root row/col 0)
     verify_rows: torch.Tensor     # [V] int64, batch rows of every verify node, request order
     verify_offsets: list[int]     # [T + 1], request i's verify rows are [o_i, o_{i+1})
     # filled by the attention backends during the forward (kv_stash.TreeKVStashMixin):
     # layer -> StashedKV, so accepted rows can be re-written to their final slots
     kv_stash: dict = field(default_factory=dict)
     proposed_nodes: list[int] = field(default_factory=list)  # per request, before any cut
-    _rows: TreeRows | None = None
+    # the CPU backend's path requests (cpu_attention.PathRequests), made by the step's first
+    # layer and shared by the rest; False: no row of the step needs them
+    cpu_paths: object = None
+    _mask: TreeMask | None = None
     _on_device: dict = field(default_factory=dict)
+
+    @property
+    def mask(self) -> TreeMask:
+        """Ancestor masks of all trees (root row/col 0), built on first use: the GPU backend
+        reads them, the CPU backend's path requests need none."""
+        if self._mask is None:
+            self._mask = build_tree_mask(self.batch.parents, self.batch.offsets,
+                                         self.batch.causal_from)
+        return self._mask
 
     @property
     def num_verify_rows(self) -> int:
@@ -83,13 +82,6 @@ class TreeStep:
                 verify_rows=self.verify_rows.to(device))
         return self._on_device[key]
 
-    @property
-    def rows(self) -> TreeRows:
-        """Built on first use (by the CPU backend) and shared by every layer of the step."""
-        if self._rows is None:
-            self._rows = _tree_rows(self)
-        return self._rows
-
 
 def chain_prefix(tree: FlatTree) -> int:
     """How many leading nodes form a chain under the root (node i's parent is node i - 1):
@@ -100,42 +92,23 @@ def chain_prefix(tree: FlatTree) -> int:
     return tree.num_nodes
 
 
-def _tree_rows(step: TreeStep) -> TreeRows:
-    idx, req_rows, masks = [], [], []
-    for i, tree in enumerate(step.trees):
-        # rows before the first branch and from causal_from on are exact causal rows already
-        lo, hi = chain_prefix(tree), tree.causal_from
-        if lo >= hi:
-            continue
-        n, c = tree.num_nodes, int(step.context[i])
-        seq_len = c + 1 + n
-        mask = torch.zeros(hi - lo, seq_len, dtype=torch.bool)
-        mask[:, : c + 1] = True
-        mask[:, c + 1:] = step.mask.request(i)[1 + lo: hi + 1, 1:]
-        idx.append(step.batch_indices[i])
-        req_rows.append((int(step.row_start[i]) + 1 + lo, hi - lo, seq_len))
-        masks.append(mask)
-    return TreeRows(idx, req_rows, masks)
-
-
 def build_step(req_ids: list[str], batch_indices: list[int], trees: list[FlatTree],
                row_start: list[int], context: list[int], positions: torch.Tensor) -> TreeStep:
-    """Pack the step's trees, build their masks and write the node rows' positions
-    (root position + depth) into the runner's ``positions`` buffer in place."""
+    """Pack the step's trees and write the node rows' positions (root position + depth)
+    into the runner's ``positions`` buffer in place."""
     batch = TreeBatch.from_trees(trees)
     starts = torch.tensor(row_start, dtype=torch.int64)
     ctx = torch.tensor(context, dtype=torch.int64)
     dev = positions.device
     write_node_positions(positions, batch.depths.to(dev), batch.offsets.to(dev), ctx.to(dev),
                          starts.to(dev))
-    mask = build_tree_mask(batch.parents, batch.offsets, batch.causal_from)
     verify_offsets = [0]
     for t in trees:
         verify_offsets.append(verify_offsets[-1] + t.num_verify)
     verify_rows = torch.cat([torch.arange(r + 1, r + 1 + t.num_verify)
                              for r, t in zip(row_start, trees)])
     return TreeStep(req_ids=req_ids, batch_indices=batch_indices, row_start=starts, context=ctx,
-                    trees=trees, batch=batch, mask=mask, verify_rows=verify_rows,
+                    trees=trees, batch=batch, verify_rows=verify_rows,
                     verify_offsets=verify_offsets)
 
 
