@@ -97,3 +97,28 @@ def test_tree_batch_roundtrip():
         s = int(b.offsets[i])
         assert b.depths[s: s + t.num_nodes].tolist() == t.depths()
     assert b.tokens.dtype == torch.int64 and b.parents.dtype == torch.int32
+
+
+def test_depth_first_keeps_the_tree_and_leads_with_its_longest_path():
+    from vllm_ptd.integration.step import chain_prefix
+
+    rng = random.Random(7)
+    for _ in range(200):
+        t = random_tree(rng, rng.randint(0, 16))
+        nv = t.num_verify
+        t.scores = [rng.random() for _ in range(nv)]
+        t.groups = [rng.randrange(3) for _ in range(nv)]
+        d = t.depth_first()
+
+        def labelled(tree):  # every node by the tokens on its path: the tree itself
+            return sorted((tuple(tree.tokens[a] for a in tree.path_to(i)), i < tree.num_verify,
+                           tree.scores[i] if i < tree.num_verify else None,
+                           tree.groups[i] if i < tree.num_verify else None)
+                          for i in range(tree.num_nodes))
+
+        assert labelled(d) == labelled(t)
+        assert (d.num_verify, d.causal_from, d.num_nodes) == (nv, t.causal_from, t.num_nodes)
+        assert d.tokens[nv:] == t.tokens[nv:]
+        height = max(t.depths()[:nv], default=0)
+        assert min(chain_prefix(d), nv) == height  # the longest path leads, as a chain
+        assert d.depth_first().parents == d.parents  # already depth first: unchanged

@@ -119,6 +119,41 @@ class FlatTree:
                         None if self.groups is None else [self.groups[i] for i in verify],
                         self.draft_value)
 
+    def depth_first(self) -> "FlatTree":
+        """The same tree with its verify nodes laid out depth first, the deepest subtree first
+        (ties: the earlier node): its longest root-to-leaf path becomes the leading chain
+        (node i the parent of node i + 1), whose rows vLLM's causal attention computes
+        exactly, so only the other branches need the tree mask. Draft nodes keep their
+        places; scores and groups follow their nodes."""
+        nv = self.num_verify
+        children: list[list[int]] = [[] for _ in range(nv + 1)]  # index nv: the root
+        for i in range(nv):
+            p = self.parents[i]
+            children[p if p >= 0 else nv].append(i)
+        height = [1] * nv
+        for i in reversed(range(nv)):  # children come after their parents
+            for ch in children[i]:
+                height[i] = max(height[i], height[ch] + 1)
+        order: list[int] = []
+        stack = [nv]
+        while stack:
+            i = stack.pop()
+            if i < nv:
+                order.append(i)
+            # pushed in reverse, so popped deepest first
+            stack.extend(sorted(children[i], key=lambda ch: (height[ch], -ch)))
+        if order == list(range(nv)):
+            return self
+        new_index = {old: new for new, old in enumerate(order)}
+        new_index[-1] = -1
+        parents = [new_index[self.parents[i]] for i in order]
+        parents += [p if p >= nv else new_index[p] for p in self.parents[nv:]]
+        tokens = [self.tokens[i] for i in order] + list(self.tokens[nv:])
+        return FlatTree(tokens, parents, nv, self.causal_from,
+                        None if self.scores is None else [self.scores[i] for i in order],
+                        None if self.groups is None else [self.groups[i] for i in order],
+                        self.draft_value)
+
     def verify_part(self) -> "FlatTree":
         return self.truncated(self.num_verify)
 

@@ -577,7 +577,8 @@ class TreeProposer:
             # the scheduler keeps positions below max_model_len: send what fits; the
             # stored tree is cut to what was scheduled in the next prepare_step
             room = max(self.max_model_len - 1 - int(num_tokens_no_spec[b]), 0)
-            tree = tree.truncated(self.num_spec)
+            # depth first: the longest path leads, so its rows need no tree mask
+            tree = tree.truncated(self.num_spec).depth_first()
             self.trees[req_id] = tree
             out[b] = tree.tokens[:room]
         return out
