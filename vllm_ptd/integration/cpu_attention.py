@@ -178,11 +178,14 @@ class TreeCPUAttentionImpl(TreeKVStashMixin, CPUAttentionBackendImpl):
         if step is None or attn_metadata is None or kv_cache.numel() == 0:
             return output
         t0 = time.perf_counter()
-        if step.cpu_paths is None:
-            step.cpu_paths = path_requests(step, attn_metadata.block_table,
-                                           attn_metadata.slot_mapping, key.shape[0]) or False
-        if step.cpu_paths:
-            self._attend_paths(step.cpu_paths, layer, query, key, value, kv_cache, output)
+        # one per KV-cache group (its layers share the metadata, block table and slots)
+        paths = step.cpu_paths.get(id(attn_metadata))
+        if paths is None:
+            paths = step.cpu_paths[id(attn_metadata)] = path_requests(
+                step, attn_metadata.block_table, attn_metadata.slot_mapping,
+                key.shape[0]) or False
+        if paths:
+            self._attend_paths(paths, layer, query, key, value, kv_cache, output)
         if self.tree_channel.clock is not None:
             self.tree_channel.clock.add("tree_attention", 1000 * (time.perf_counter() - t0))
         return output

@@ -43,9 +43,10 @@ class TreeStep:
     # layer -> StashedKV, so accepted rows can be re-written to their final slots
     kv_stash: dict = field(default_factory=dict)
     proposed_nodes: list[int] = field(default_factory=list)  # per request, before any cut
-    # the CPU backend's path requests (cpu_attention.PathRequests), made by the step's first
-    # layer and shared by the rest; False: no row of the step needs them
-    cpu_paths: object = None
+    # the CPU backend's path requests (cpu_attention.PathRequests) per attention metadata,
+    # made by the first layer of each KV-cache group and shared by the rest; False: no row
+    # of the step needs them
+    cpu_paths: dict = field(default_factory=dict)
     _mask: TreeMask | None = None
     _on_device: dict = field(default_factory=dict)
 
