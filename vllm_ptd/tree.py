@@ -126,22 +126,19 @@ class FlatTree:
         exactly, so only the other branches need the tree mask. Draft nodes keep their
         places; scores and groups follow their nodes."""
         nv = self.num_verify
-        children: list[list[int]] = [[] for _ in range(nv + 1)]  # index nv: the root
-        for i in range(nv):
-            p = self.parents[i]
-            children[p if p >= 0 else nv].append(i)
+        children = self.verify_part().children()  # [0]: the root's, [i + 1]: node i's
         height = [1] * nv
         for i in reversed(range(nv)):  # children come after their parents
-            for ch in children[i]:
+            for ch in children[i + 1]:
                 height[i] = max(height[i], height[ch] + 1)
         order: list[int] = []
-        stack = [nv]
+        stack = [-1]
         while stack:
             i = stack.pop()
-            if i < nv:
+            if i >= 0:
                 order.append(i)
             # pushed in reverse, so popped deepest first
-            stack.extend(sorted(children[i], key=lambda ch: (height[ch], -ch)))
+            stack.extend(sorted(children[i + 1], key=lambda ch: (height[ch], -ch)))
         if order == list(range(nv)):
             return self
         new_index = {old: new for new, old in enumerate(order)}

@@ -80,20 +80,18 @@ def path_requests(step: TreeStep, block_table: torch.Tensor, slot_mapping: torch
         if lo >= hi:
             continue
         c, r0 = int(step.context[i]), int(step.row_start[i])
-        children: list[list[int]] = [[] for _ in range(hi + 1)]  # index hi: the root
-        for j, p in enumerate(tree.parents[:hi]):
-            children[p if p >= 0 else hi].append(j)
+        children = tree.truncated(hi).children()  # [0]: the root's, [j + 1]: node j's
         covered = [j < lo for j in range(hi)]  # the leading chain: a prefix of the first path
         held = list(range(hi))  # the node whose K/V sits at path position t (slot of row t)
         path: list[int] = []
         k = 0
-        stack = [(j, 0) for j in reversed(children[hi])]
+        stack = [(j, 0) for j in reversed(children[0])]
         while stack:  # depth first, children in index order
             j, depth = stack.pop()
             del path[depth:]
             path.append(j)
-            if children[j]:
-                stack.extend((ch, depth + 1) for ch in reversed(children[j]))
+            if children[j + 1]:
+                stack.extend((ch, depth + 1) for ch in reversed(children[j + 1]))
                 continue
             start = next((t for t, a in enumerate(path) if not covered[a]), None)
             if start is None:

@@ -596,8 +596,9 @@ class DSparkDrafter(nn.Module):
         ``draft_block`` then returns logits over these ids, in this order, and the Markov
         head's bias likewise (its input, the parent token, stays any token id);
         ``expand_trees(..., vocab_ids=drafter.draft_vocab)`` maps children back to token ids.
-        Why, and where the ids come from: :mod:`vllm_ptd.pctree.draft_vocab`. Call before :meth:`use_linear_kernel`. The row copies join the state dict
-        (``draft_lm_head``, ``markov_head.draft_w2``): save a drafter unrestricted."""
+        Why, and where the ids come from: :mod:`vllm_ptd.pctree.draft_vocab`. Call before
+        :meth:`use_linear_kernel`. The row copies join the state dict (``draft_lm_head``,
+        ``markov_head.draft_w2``): save a drafter unrestricted."""
         if token_ids is None:
             self.draft_vocab = self.draft_lm_head = None
             if self.markov_head is not None:
