@@ -156,6 +156,11 @@ def test_trace_outcomes_set_the_budget_against_what_its_tree_steps_did():
     assert o["speedup"]["realized"] == pytest.approx((4 + 2) / 60.0 / (4 / 50.0))
     assert o["speedup"]["predicted"] == pytest.approx((4 + 2) / 55.0 / (4 / 50.0))
     assert budget_outcomes(lines, min_requests=5)["steps"] == 0
+    # decode-only steps of size 4, drafting counted: 4 + 4 + 6 tokens at 50/4 ms each,
+    # against 41 + 61 + 61 ms taken (the size-2 step has no plain step to compare)
+    d = o["decode"]
+    assert (d["steps"], d["tokens"], d["drafting_ms"]) == (3, 14, 3.0)
+    assert d["speedup"] == pytest.approx(14 * 50.0 / 4 / (41.0 + 61.0 + 61.0))
 
 
 def test_warmup_runs_held_out_prompts_and_records_nothing():

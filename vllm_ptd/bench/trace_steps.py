@@ -44,9 +44,14 @@ def budget_outcomes(lines, min_requests: int = 1) -> dict:
     (request records' ``expected``) and brought, nodes offered, and ``speedup``: their
     tokens per ms against the mean plain step of the same batch size, as the budget saw it
     (``predicted``) and as it came out (``realized``). A step's request records precede its
-    step record in the trace."""
+    step record in the trace.
+
+    ``decode``: every decode-only step of those batch sizes, with or without trees, drafting
+    included (also a try that sent no tree): its ``speedup`` is what decoding gained over the
+    same engine's plain steps once the drafter's cost is counted (each step's tokens at the
+    plain steps' ms per token, against the ms it took)."""
     plain: dict[int, list[float]] = defaultdict(list)
-    tree_steps, pending = [], []
+    tree_steps, decode_steps, pending = [], [], []
     for line in lines:
         d = json.loads(line)
         if "req" in d:
@@ -60,6 +65,8 @@ def budget_outcomes(lines, min_requests: int = 1) -> dict:
                 or s["rows"] != r + s.get("nodes", 0):
             continue
         taken = s["wall_ms"] - s.get("drafting_ms", 0.0)
+        decode_steps.append((r, s["wall_ms"], s.get("drafting_ms", 0.0),
+                             sum(q["accepted"] for q in reqs) if s["trees"] else 0))
         if s["trees"] == 0:
             plain[r].append(taken)
         else:
@@ -82,6 +89,18 @@ def budget_outcomes(lines, min_requests: int = 1) -> dict:
         out["speedup"] = {
             "predicted": (out["requests"] + out["expected"]) / out["predicted_ms"] / plain_rate,
             "realized": (out["requests"] + out["accepted"]) / out["taken_ms"] / plain_rate}
+    dec = {"steps": 0, "tokens": 0, "wall_ms": 0.0, "drafting_ms": 0.0, "plain_equivalent_ms": 0.0}
+    for r, wall, drafting, accepted in decode_steps:
+        if not plain.get(r):
+            continue
+        dec["steps"] += 1
+        dec["tokens"] += r + accepted
+        dec["wall_ms"] += wall
+        dec["drafting_ms"] += drafting
+        dec["plain_equivalent_ms"] += (r + accepted) * sum(plain[r]) / len(plain[r]) / r
+    if dec["steps"]:
+        dec["speedup"] = dec["plain_equivalent_ms"] / dec["wall_ms"]
+    out["decode"] = dec
     return out
 
 
