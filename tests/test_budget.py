@@ -288,6 +288,17 @@ def test_a_tree_that_only_just_pays_on_paper_is_not_sent():
     assert allocate([[p_clear]], [[-1]], [0.0], [0], 1, 1, cost).verify == [[0]]
 
 
+def test_drafting_must_leave_the_margin_to_count_as_paying():
+    """A tree that beats plain decoding on its own but not by MARGIN once its drafting is
+    counted is a miss: drafting pauses, though the tree itself is sent (it was paid for)."""
+    cost = linear_cost(100.0, 1.0)
+    # one node at 0.5: 1.5 tokens in 101 ms + drafting, against 1 token in 100 ms
+    pays = allocate([[0.5]], [[-1]], [0.0], [0], 1, 1, cost, drafting_ms=40.0)
+    assert pays.verify == [[0]] and pays.pays
+    thin = allocate([[0.5]], [[-1]], [0.0], [0], 1, 1, cost, drafting_ms=47.0)
+    assert thin.verify == [[0]] and not thin.pays  # 1.5 / 148 beats 1 / 100 by 1.4 % only
+
+
 def test_expensive_drafting_that_fails_is_paused_to_a_small_share_of_the_time():
     cost = linear_cost(50.0, 8.0)
     budget = TreeBudget(cost)
