@@ -145,6 +145,27 @@ def test_cached_block_equals_block_from_scratch(kind):
     assert ctx.length == 12  # the block is dropped
 
 
+def test_contexts_appended_together_equal_contexts_appended_one_by_one():
+    """Rows of several requests projected in one padded call give each context the K/V
+    that appending them alone gives (at each context's own next positions)."""
+    dr = make_drafter(kind="gated")
+    firsts, news = [5, 9, 2, 4], [3, 0, 6, 1]
+    alone, together = [], []
+    for i, (p, n) in enumerate(zip(firsts, news)):
+        a, t = dr.new_context(), dr.new_context()
+        for c in (a, t):
+            dr.append_context(c, rows(p, 40 + i), 0)
+        dr.append_context(a, rows(n, 50 + i))
+        alone.append(a)
+        together.append(t)
+    dr.append_contexts(together, [rows(n, 50 + i) for i, n in enumerate(news)])
+    for a, t in zip(alone, together):
+        assert (t.length, t.next_position) == (a.length, a.next_position)
+        for layer in range(len(a.k)):
+            torch.testing.assert_close(t.k[layer][:, : t.length], a.k[layer][:, : a.length])
+            torch.testing.assert_close(t.v[layer][:, : t.length], a.v[layer][:, : a.length])
+
+
 def test_batched_block_equals_single():
     dr = make_drafter()
     lens = [3, 11, 7]

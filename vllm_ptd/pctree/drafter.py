@@ -673,6 +673,36 @@ class DSparkDrafter(nn.Module):
         ks, vs = self.context_kv(rows.unsqueeze(0).to(self.device), pos)
         ctx.append([k[0] for k in ks], [v[0] for v in vs], start + t)
 
+    @torch.no_grad()
+    def append_contexts(self, ctxs: Sequence[DraftContext],
+                        hidden_rows: Sequence[torch.Tensor]) -> None:
+        """``append_context(ctxs[i], hidden_rows[i])`` for every i in one call: context rows
+        are projected row by row, so the requests' rows go through together, padded to a
+        power of two. Why: the rows a request gathers while it does not draft vary in
+        number, and the GEMM of every new row count is prepared anew (measured: flushing 4
+        requests' 10-40 rows one by one took 4-7 ms at varying counts against 3 ms at a
+        repeated one)."""
+        rows = [self.as_rows(r) for r in hidden_rows]
+        if len(rows) != len(ctxs):
+            raise ValueError(f"{len(ctxs)} contexts but {len(rows)} row blocks")
+        counts = [r.shape[0] for r in rows]
+        total = sum(counts)
+        if total == 0:
+            return
+        padded = 1 << max(3, (total - 1).bit_length())
+        x = torch.zeros(1, padded, rows[0].shape[1], dtype=rows[0].dtype, device=self.device)
+        x[0, :total] = torch.cat(rows).to(self.device)
+        pos = torch.zeros(1, padded, dtype=torch.long)
+        pos[0, :total] = torch.cat([torch.arange(c.next_position, c.next_position + n)
+                                    for c, n in zip(ctxs, counts)])
+        ks, vs = self.context_kv(x, pos.to(self.device))
+        off = 0
+        for c, n in zip(ctxs, counts):
+            if n:
+                c.append([k[0, :, off: off + n] for k in ks], [v[0, :, off: off + n] for v in vs],
+                         c.next_position + n)
+            off += n
+
     def as_rows(self, hidden_rows: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         """Context rows ``[t, n*d]`` from ``[t, n*d]``, a ``[n, t, d]`` stack or a list of
         per-tap ``[t, d]`` tensors."""

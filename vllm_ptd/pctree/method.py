@@ -183,13 +183,18 @@ class PCTreeMethod(TreeMethod[_Request]):
                                  f"expected {want} (root + {len(out.accepted)} accepted)")
             st.pending.append(rows)
             if sum(r.shape[0] for r in st.pending) >= PENDING_FLUSH_ROWS:
-                self._flush(st)
+                self._flush([st])
 
-    def _flush(self, st: _Request) -> None:
-        if st.pending:
-            rows = torch.cat(st.pending) if len(st.pending) > 1 else st.pending[0]
+    def _flush(self, states: list[_Request]) -> None:
+        """Pending rows into the drafters' contexts, all requests in one call."""
+        waiting = [st for st in states if st.pending]
+        if not waiting:
+            return
+        rows = [torch.cat(st.pending) if len(st.pending) > 1 else st.pending[0]
+                for st in waiting]
+        for st in waiting:
             st.pending = []
-            self.drafter.append_context(st.ctx, rows)
+        self.drafter.append_contexts([st.ctx for st in waiting], rows)
 
     @torch.no_grad()
     def propose(self, req_ids: list[str], last_tokens: list[int]) -> list[FlatTree]:
@@ -200,8 +205,7 @@ class PCTreeMethod(TreeMethod[_Request]):
         c = self.config
         if not live or c.max_nodes < 2 or c.depth == 0:
             return out
-        for i in live:
-            self._flush(self._requests[req_ids[i]])
+        self._flush([self._requests[req_ids[i]] for i in live])
         ctxs = [self._requests[req_ids[i]].ctx for i in live]
         roots = [int(last_tokens[i]) for i in live]
         U, h = self.drafter.draft_block(ctxs, roots)
