@@ -100,10 +100,12 @@ def test_serving_report_counts_engine_time_and_short_steps():
     def req(text):
         return {"tokens": 4, "text": text, "error": None, "ttft": 0.1, "itl": [0.05], "tpot": 0.05}
 
-    steps = [{"rows": 4, "trees": 0, "wall_ms": 100.0, "forward_ms": 90.0},
-             {"rows": 3, "trees": 1, "wall_ms": 80.0, "forward_ms": 70.0, "verify_ms": 2.0,
-              "drafting_ms": 1.0},
-             {"rows": 1, "trees": 0, "wall_ms": 5000.0, "forward_ms": 10.0}]  # idle: left out
+    steps = [{"rows": 4, "requests": 4, "trees": 0, "nodes": 0, "accepted": 0,
+              "wall_ms": 100.0, "forward_ms": 90.0},
+             {"rows": 3, "requests": 2, "trees": 1, "nodes": 1, "accepted": 1,
+              "wall_ms": 80.0, "forward_ms": 70.0, "verify_ms": 2.0, "drafting_ms": 1.0},
+             {"rows": 1, "requests": 1, "trees": 0, "nodes": 0, "accepted": 0,
+              "wall_ms": 5000.0, "forward_ms": 10.0}]  # idle: left out
     rounds = [{"label": "none", "clients": 4, "repeat": 0, "wall": 1.0, "requests": [req("a")]},
               {"label": "ptd", "clients": 4, "repeat": 0, "wall": 1.0, "requests": [req("a")],
                "trace": [], "steps": steps}]
@@ -116,7 +118,46 @@ def test_serving_report_counts_engine_time_and_short_steps():
     assert e["short_busy_s"] == pytest.approx(0.08)
     md = report(rows, {"model": "m", "dtype": "float32", "max_tokens": 4, "num_requests": 1,
                        "repeats": 1, "servers": ""}, {})
-    assert "| 4 | ptd | 0.18 | 0.16 | 0.00 | 0.00 | 2 | 1 | 1 (0.08) |" in md
+    # no plain decode step of 2 requests to price the tree step against
+    assert e["decode_speedup"] == pytest.approx(1.0)
+    assert "| 4 | ptd | 0.18 | 0.16 | 0.00 | 0.00 | 2 | 1 | 1 (0.08) | 1.00 |" in md
+
+
+def test_decode_speedup_prices_each_step_at_its_batch_sizes_plain_steps():
+    """Tokens of every decode-only step at the same engine's plain ms per token of its batch
+    size, against the wall it took (drafting counted; prefill and idle steps left out)."""
+    from vllm_ptd.bench.trace_steps import decode_speedup
+
+    def step(requests, wall, trees=0, nodes=0, accepted=0, drafting=0.0, rows=None):
+        return {"rows": requests + nodes if rows is None else rows, "requests": requests,
+                "trees": trees, "nodes": nodes, "accepted": accepted, "wall_ms": wall,
+                "drafting_ms": drafting}
+
+    steps = [step(4, 42.0, drafting=2.0),        # plain, with a try that sent no tree
+             step(4, 40.0),
+             step(4, 60.0, trees=2, nodes=6, accepted=3, drafting=5.0),
+             step(2, 30.0),                      # plain at 2: 15 ms a token
+             step(2, 33.0, trees=1, nodes=2, accepted=2),
+             step(4, 300.0, rows=120),           # a prefill beside decoding: left out
+             step(4, 4000.0)]                    # the engine waiting: left out
+    d = decode_speedup(steps)
+    assert (d["steps"], d["tokens"], d["drafting_ms"]) == (5, 4 + 4 + 7 + 2 + 4, 7.0)
+    assert d["speedup"] == pytest.approx(
+        (15 * 10.0 + 6 * 15.0) / (42.0 + 40.0 + 60.0 + 30.0 + 33.0))
+    assert decode_speedup(steps, min_requests=3)["steps"] == 3
+    assert "speedup" not in decode_speedup([step(4, 60.0, trees=1, nodes=2, accepted=1)])
+
+
+def test_step_clock_records_the_accepted_nodes_of_its_step():
+    from vllm_ptd.integration.step_clock import StepClock
+
+    clock = StepClock()
+    clock.start_step(rows=6, requests=2)
+    clock.set_trees(1, 4)
+    clock.set_accepted(3)
+    first = clock.start_step(rows=2, requests=2)
+    assert (first["trees"], first["nodes"], first["accepted"]) == (1, 4, 3)
+    assert clock.start_step(rows=2, requests=2)["accepted"] == 0
 
 
 def test_trace_steps_groups_by_batch_and_trees():

@@ -527,7 +527,7 @@ class Allocation:
     verify: list[list[int]]   # per request: the verify node indices kept (ascending)
     draft: list[int]          # per request: draft rows kept
     rows: int
-    pays: bool = False        # the trees beat plain decoding by MARGIN counting their drafting
+    pays: bool = False        # the trees beat plain decoding even counting their drafting
     # what the budget expected (unscaled by ``Calibration``): accepted tokens per request
     # from its verify nodes, and the step's milliseconds (drafting left out)
     expected: list[float] = field(default_factory=list)
@@ -607,13 +607,13 @@ def allocate(values: list[list[float]], parents: list[list[int]], draft_values: 
         # keep the set closed under parents all the same (values from outside may tie oddly)
         have = set(kept)
         keep_v[r] = [i for i in kept if all_ancestors_in(parents[r], i, have)]
-    # drafting was spent this step either way; ``pays``: the trees beat plain decoding by
-    # MARGIN with their drafting counted, so drafting is worth running again next step. The
-    # margin here too, as the chosen trees' estimates err on the bright side: in a served run
-    # at 4 clients PCTree's trees "paid" with a drafter costing a third of a step, came out
-    # 1.18x plain before drafting and left decoding at 0.98x after it
+    # drafting was spent this step either way; ``pays``: the trees beat plain decoding with
+    # their drafting counted, so drafting is worth running again next step. (Asking MARGIN
+    # here too, with every miss pausing drafting for 1.5 % of the time, held PCTree's chain
+    # at batch 1 to 1.20x from 1.37x in one run: its trees pay there though their estimates
+    # are close to the line.)
     pays = best_k > 0 and (base + best_worth) / (
-        (base + best_worth) / best_rate + drafting_ms) > plain_rate * (1.0 + MARGIN)
+        (base + best_worth) / best_rate + drafting_ms) > plain_rate
     return Allocation(keep_v, keep_d, base_rows + best_k, pays=pays,
                       expected=expected, step_ms=step_ms[best_k] + best_trees * per_tree)
 
@@ -694,11 +694,15 @@ class TreeBudget:
     whose trees do not beat plain decoding (drafting cost included) is a miss:
 
     * every miss pauses drafting long enough that failed drafting costs at most
-      ``EXPLORE_SHARE`` of the engine's time (a drafter that costs as much as a step, like
-      PCTree's on a CPU at 16 requests, then tries once in about 70 steps; PTD's drafting, a
-      fraction of a millisecond, is never paused for this). Why so little: in served runs
-      here PCTree's tries, a few per cent of the time at 3 %, were all it lost to plain
-      decoding at 16 clients, where no tree of it pays;
+      ``EXPLORE_SHARE`` of the engine's time, counting only the share of tries that miss
+      at this batch size (``StepCostModel.batch_bucket``; a running mean over the last
+      ``HIT_MEMORY`` or so). A drafter that costs as much as a step and never pays, like
+      PCTree's on a CPU at 16 requests, then tries once in about 70 steps; one whose tries
+      mostly pay, like PCTree's at batch 1, is hardly paused by a miss; PTD's drafting, a
+      fraction of a millisecond, is never paused for this. Why: in served runs here,
+      PCTree's tries at 3 % of the time regardless of its hits were all it lost to plain
+      decoding at 16 clients, while 1.5 % regardless of its hits (with a margin on
+      ``pays``) held its chain at batch 1 to 1.20x from 1.37x;
     * after ``MISSES`` misses in a row drafting also pauses for 2, 4, ... up to
       ``MAX_PAUSE`` steps.
 
@@ -707,6 +711,7 @@ class TreeBudget:
     MISSES = 4
     MAX_PAUSE = 64
     EXPLORE_SHARE = 0.015
+    HIT_MEMORY = 16
 
     def __init__(self, cost: StepCostModel, acceptance: AcceptanceModel | None = None) -> None:
         self.cost = cost
@@ -717,6 +722,8 @@ class TreeBudget:
         self._misses = 0
         self._pause = 1
         self._skip = 0
+        # batch bucket -> running share of drafting tries whose trees paid
+        self._hit_rate: dict[int, float] = {}
         self.last: Allocation | None = None
 
     def should_draft(self) -> bool:
@@ -725,9 +732,19 @@ class TreeBudget:
             return False
         return True
 
+    def _tried(self, num_requests: int, paid: bool) -> float:
+        """Counts a try at this batch size; the share of tries that missed there."""
+        bucket = StepCostModel.batch_bucket(num_requests)
+        rate = self._hit_rate.get(bucket, 0.5)
+        rate += ((1.0 if paid else 0.0) - rate) / self.HIT_MEMORY
+        self._hit_rate[bucket] = rate
+        return 1.0 - rate
+
     def _missed(self, drafting_ms: float, base_rows: int, num_requests: int) -> None:
         plain_ms = max(self.cost.step_ms(base_rows, requests=num_requests), 1e-6)
-        self._skip = max(0, math.ceil(drafting_ms / (self.EXPLORE_SHARE * plain_ms)) - 1)
+        missing = self._tried(num_requests, paid=False)
+        self._skip = max(0, math.ceil(missing * drafting_ms
+                                      / (self.EXPLORE_SHARE * plain_ms)) - 1)
         self._misses += 1
         if self._misses >= self.MISSES:
             self._misses = 0
@@ -755,6 +772,7 @@ class TreeBudget:
         self.last = alloc
         if alloc.pays:
             self._misses, self._pause = 0, 1
+            self._tried(num_requests, paid=True)
         else:
             self._missed(drafting_ms, base_rows, num_requests)
         return [t.select(v, d) for t, v, d in zip(trees, alloc.verify, alloc.draft)]

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from vllm_ptd.bench.aggregate import busy_steps, mean_sd, spec_summary
 from vllm_ptd.bench.engines import read_trace, traced
+from vllm_ptd.bench.trace_steps import decode_speedup
 from vllm_ptd.bench.host import REPO, host_info, resolve_common_args
 from vllm_ptd.bench.methods import Method, int_list, parse_methods, safe_label
 from vllm_ptd.bench.prompts import load_held_out_prompts, load_token_prompts
@@ -301,7 +302,10 @@ def engine_time(rounds_steps: list[list[dict]], clients: int) -> dict | None:
     seconds of steps (each under 1 s: longer gaps are the engine waiting), of forward,
     verification and drafting, and how many steps ran with fewer rows than there are clients
     (a client between two requests, or the round's tail: throughput lost to occupancy,
-    not to the step's own cost)."""
+    not to the step's own cost); ``decode_speedup``: decoding against the engine's own plain
+    steps, drafting counted (``trace_steps.decode_speedup``; None without plain decode steps
+    or from servers whose step records lack ``accepted``). Prefill steps are the same with or
+    without trees, and a machine that slows for a round or two moves both sides of it."""
     if not any(rounds_steps):
         return None
     n = len(rounds_steps)
@@ -312,11 +316,15 @@ def engine_time(rounds_steps: list[list[dict]], clients: int) -> dict | None:
     def seconds(key: str) -> float:
         return sum(s.get(key, 0.0) for s in steps) / 1000 / n
 
+    all_have_accepted = all("accepted" in s for s in steps)
+    decoding = decode_speedup(steps)
+
     return {"busy_s": seconds("wall_ms"), "forward_s": seconds("forward_ms"),
             "verify_s": seconds("verify_ms"), "drafting_s": seconds("drafting_ms"),
             "steps": len(steps) / n, "tree_steps": sum(1 for s in steps if s.get("trees")) / n,
             "short_steps": sum(1 for s in steps if s["rows"] < clients) / n,
-            "short_busy_s": sum(s["wall_ms"] for s in steps if s["rows"] < clients) / 1000 / n}
+            "short_busy_s": sum(s["wall_ms"] for s in steps if s["rows"] < clients) / 1000 / n,
+            "decode_speedup": decoding.get("speedup") if all_have_accepted else None}
 
 
 def summarize(rounds: list[dict], labels: list[str], client_counts: list[int],
@@ -399,14 +407,18 @@ def report(rows: list[dict], meta: dict, failed: dict) -> str:
     if engine:
         L += ["", "Engine time per round, from the tree proposer's step clock (traced methods; "
               "steps under 1 s): *busy* = the steps' wall time, *short steps* = steps with fewer "
-              "rows than clients (a client between requests, or the round's tail).", "",
+              "rows than clients (a client between requests, or the round's tail), *decode "
+              "x* = decoding's speedup over the same engine's plain decode steps, drafting "
+              "counted (prefill steps left out).", "",
               "| clients | method | busy s | forward s | verification s | drafting s | steps | "
-              "with trees | short steps (s) |", "|---|---|---|---|---|---|---|---|---|"]
+              "with trees | short steps (s) | decode x |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
         for r in engine:
             e = r["engine"]
             L.append(f"| {r['clients']} | {r['label']} | {f(e['busy_s'])} | {f(e['forward_s'])} | "
                      f"{f(e['verify_s'])} | {f(e['drafting_s'])} | {f(e['steps'], 0)} | "
-                     f"{f(e['tree_steps'], 0)} | {f(e['short_steps'], 0)} ({f(e['short_busy_s'])}) |")
+                     f"{f(e['tree_steps'], 0)} | {f(e['short_steps'], 0)} ({f(e['short_busy_s'])}) | "
+                     f"{f(e.get('decode_speedup'))} |")
     L.append("")
     return "\n".join(L)
 

@@ -37,21 +37,53 @@ def step_groups(lines, requests: int | None = None) -> dict[tuple[int, bool], di
     return out
 
 
+def decode_only_step(s: dict, min_requests: int = 1) -> bool:
+    """An engine step at work that ran only decoding requests (each its root and tree
+    nodes), at least ``min_requests`` of them."""
+    r = s.get("requests")
+    return r is not None and r >= min_requests and s["wall_ms"] < IDLE_STEP_MS \
+        and s["rows"] == r + s.get("nodes", 0)
+
+
+def decode_speedup(steps: list[dict], min_requests: int = 1) -> dict:
+    """What decoding gained over the same engine's plain steps once the drafter's cost is
+    counted: every decode-only step (``decode_only_step``) of a batch size that also ran
+    plain steps, with or without trees (a try that sent no tree included); each step's
+    tokens (``requests`` + ``accepted``) priced at the plain steps' ms per token of its
+    batch size (their wall less drafting), against the wall it took. Robust to a machine
+    that slows down for a while, as both sides come from the same steps' neighbourhood."""
+    steps = [s for s in steps if decode_only_step(s, min_requests)]
+    plain: dict[int, list[float]] = defaultdict(list)
+    for s in steps:
+        if not s["trees"]:
+            plain[s["requests"]].append(s["wall_ms"] - s.get("drafting_ms", 0.0))
+    out = {"steps": 0, "tokens": 0, "wall_ms": 0.0, "drafting_ms": 0.0,
+           "plain_equivalent_ms": 0.0}
+    for s in steps:
+        r = s["requests"]
+        if not plain.get(r):
+            continue
+        tokens = r + (s.get("accepted", 0) if s["trees"] else 0)
+        out["steps"] += 1
+        out["tokens"] += tokens
+        out["wall_ms"] += s["wall_ms"]
+        out["drafting_ms"] += s.get("drafting_ms", 0.0)
+        out["plain_equivalent_ms"] += tokens * sum(plain[r]) / len(plain[r]) / r
+    if out["steps"]:
+        out["speedup"] = out["plain_equivalent_ms"] / out["wall_ms"]
+    return out
+
+
 def budget_outcomes(lines, min_requests: int = 1) -> dict:
     """Decode-only steps with trees of at least ``min_requests`` requests whose batch size
     also ran plain steps: their count, the ms the budget predicted and they took (drafting
     left out, as in ``predicted_ms``), the tokens their nodes were expected to bring
     (request records' ``expected``) and brought, nodes offered, and ``speedup``: their
     tokens per ms against the mean plain step of the same batch size, as the budget saw it
-    (``predicted``) and as it came out (``realized``). A step's request records precede its
-    step record in the trace.
-
-    ``decode``: every decode-only step of those batch sizes, with or without trees, drafting
-    included (also a try that sent no tree): its ``speedup`` is what decoding gained over the
-    same engine's plain steps once the drafter's cost is counted (each step's tokens at the
-    plain steps' ms per token, against the ms it took)."""
+    (``predicted``) and as it came out (``realized``); ``decode``: ``decode_speedup`` of the
+    same steps. A step's request records precede its step record in the trace."""
     plain: dict[int, list[float]] = defaultdict(list)
-    tree_steps, decode_steps, pending = [], [], []
+    tree_steps, steps, pending = [], [], []
     for line in lines:
         d = json.loads(line)
         if "req" in d:
@@ -60,13 +92,12 @@ def budget_outcomes(lines, min_requests: int = 1) -> dict:
         if "step" not in d:
             continue
         s, reqs, pending = d["step"], pending, []
-        r = s.get("requests")
-        if r is None or r < min_requests or s["wall_ms"] >= IDLE_STEP_MS \
-                or s["rows"] != r + s.get("nodes", 0):
+        if not decode_only_step(s, min_requests):
             continue
+        r = s["requests"]
+        # traces before the step records carried ``accepted``: from the request records
+        steps.append({**s, "accepted": sum(q["accepted"] for q in reqs)})
         taken = s["wall_ms"] - s.get("drafting_ms", 0.0)
-        decode_steps.append((r, s["wall_ms"], s.get("drafting_ms", 0.0),
-                             sum(q["accepted"] for q in reqs) if s["trees"] else 0))
         if s["trees"] == 0:
             plain[r].append(taken)
         else:
@@ -89,18 +120,7 @@ def budget_outcomes(lines, min_requests: int = 1) -> dict:
         out["speedup"] = {
             "predicted": (out["requests"] + out["expected"]) / out["predicted_ms"] / plain_rate,
             "realized": (out["requests"] + out["accepted"]) / out["taken_ms"] / plain_rate}
-    dec = {"steps": 0, "tokens": 0, "wall_ms": 0.0, "drafting_ms": 0.0, "plain_equivalent_ms": 0.0}
-    for r, wall, drafting, accepted in decode_steps:
-        if not plain.get(r):
-            continue
-        dec["steps"] += 1
-        dec["tokens"] += r + accepted
-        dec["wall_ms"] += wall
-        dec["drafting_ms"] += drafting
-        dec["plain_equivalent_ms"] += (r + accepted) * sum(plain[r]) / len(plain[r]) / r
-    if dec["steps"]:
-        dec["speedup"] = dec["plain_equivalent_ms"] / dec["wall_ms"]
-    out["decode"] = dec
+    out["decode"] = decode_speedup(steps)
     return out
 
 

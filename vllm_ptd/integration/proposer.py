@@ -461,16 +461,17 @@ class TreeProposer:
                                                 accepted=accepted, committed=committed)
             self.metrics.record(committed=len(committed), accepted=len(accepted),
                                 verify_rows=tree.num_verify, draft_rows=n - tree.num_verify)
+            accepted_total += len(accepted)
             if self.budget is not None:
                 self.budget.observe(req_id, tree, accepted)
                 expected += max(0.0, self._expected.get(req_id, 0.0))
-                accepted_total += len(accepted)
             if self.trace is not None:
                 self.trace.write(json.dumps({
                     "req": req_id, "nodes": n, "proposed": step.proposed_nodes[i],
                     "verify": tree.num_verify, "accepted": len(accepted),
                     "committed": len(committed),
                     "expected": round(self._expected.get(req_id, -1.0), 3)}) + "\n")
+        self.clock.set_accepted(int(accepted_total))
         if self.budget is not None:
             self.budget.calibration.observe_tokens(self._sized_requests, expected,
                                                    accepted_total)

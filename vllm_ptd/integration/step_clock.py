@@ -24,20 +24,22 @@ class StepClock:
         self._trees = 0
         self._nodes = 0
         self._predicted = 0.0
+        self._accepted = 0
         self._parts = dict.fromkeys(PARTS, 0.0)
         self.totals = dict.fromkeys(("steps", "wall", *PARTS), 0.0)
 
     def start_step(self, rows: int, requests: int = 0) -> dict | None:
         """Close the step in flight and start the next one (``rows``: its scheduled tokens,
         ``requests``: the requests it runs). Returns the closed step's record: rows,
-        requests, trees (requests that carried one), nodes (theirs), wall_ms, predicted_ms
-        (the budget's estimate of wall less drafting, 0 without one) and one ``<part>_ms``
-        per part."""
+        requests, trees (requests that carried one), nodes (theirs), accepted (their nodes
+        accepted), wall_ms, predicted_ms (the budget's estimate of wall less drafting, 0
+        without one) and one ``<part>_ms`` per part."""
         now = time.perf_counter()
         record = None
         if self._start is not None:
             record = {"rows": self._rows, "requests": self._requests, "trees": self._trees,
-                      "nodes": self._nodes, "wall_ms": 1000 * (now - self._start),
+                      "nodes": self._nodes, "accepted": self._accepted,
+                      "wall_ms": 1000 * (now - self._start),
                       "predicted_ms": self._predicted,
                       **{f"{k}_ms": v for k, v in self._parts.items()}}
             self.totals["steps"] += 1
@@ -45,7 +47,7 @@ class StepClock:
             for k, v in self._parts.items():
                 self.totals[k] += v
         self._start, self._rows, self._requests, self._trees = now, rows, requests, 0
-        self._nodes, self._predicted = 0, 0.0
+        self._nodes, self._predicted, self._accepted = 0, 0.0, 0
         self._parts = dict.fromkeys(PARTS, 0.0)
         return record
 
@@ -53,6 +55,10 @@ class StepClock:
         """How many requests of the step in flight carry a tree, their nodes, and what the
         budget expected the step to take (0: no budget)."""
         self._trees, self._nodes, self._predicted = trees, nodes, predicted_ms
+
+    def set_accepted(self, accepted: int) -> None:
+        """How many tree nodes of the step in flight were accepted."""
+        self._accepted = accepted
 
     def forward_done(self) -> None:
         if self._start is not None and self._parts["forward"] == 0.0:
