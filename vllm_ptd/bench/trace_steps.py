@@ -1,7 +1,8 @@
 """Steps of a proposer trace grouped by how many requests they ran and whether any carried a
 tree: mean rows, wall, forward, verification and host ms (``VLLM_PTD_TRACE`` step records;
 steps of 1 s or more are the engine waiting and left out); and how the budget's estimates
-came out on its decode-only tree steps (``budget_outcomes``).
+came out on its decode-only tree steps, and what decoding gained over the engine's own plain
+steps with drafting counted (``budget_outcomes``, ``decode_speedup``).
 
   python -m vllm_ptd.bench.trace_steps results/bs4_16/traces/ptd.jsonl [--requests 16]
   python -m vllm_ptd.bench.trace_steps results/serving/traces/ptd.jsonl --outcomes --min-requests 4
