@@ -46,6 +46,15 @@ def decode_only_step(s: dict, min_requests: int = 1) -> bool:
         and s["rows"] == r + s.get("nodes", 0)
 
 
+def plain_step_ms(steps: list[dict]) -> dict[int, float]:
+    """Mean ms (wall less drafting) of the decode-only steps without trees, per batch size."""
+    plain: dict[int, list[float]] = defaultdict(list)
+    for s in steps:
+        if decode_only_step(s) and not s["trees"]:
+            plain[s["requests"]].append(s["wall_ms"] - s.get("drafting_ms", 0.0))
+    return {r: sum(v) / len(v) for r, v in plain.items()}
+
+
 def decode_speedup(steps: list[dict], min_requests: int = 1) -> dict:
     """What decoding gained over the same engine's plain steps once the drafter's cost is
     counted: every decode-only step (``decode_only_step``) of a batch size that also ran
@@ -54,22 +63,19 @@ def decode_speedup(steps: list[dict], min_requests: int = 1) -> dict:
     batch size (their wall less drafting), against the wall it took. Robust to a machine
     that slows down for a while, as both sides come from the same steps' neighbourhood."""
     steps = [s for s in steps if decode_only_step(s, min_requests)]
-    plain: dict[int, list[float]] = defaultdict(list)
-    for s in steps:
-        if not s["trees"]:
-            plain[s["requests"]].append(s["wall_ms"] - s.get("drafting_ms", 0.0))
+    plain = plain_step_ms(steps)
     out = {"steps": 0, "tokens": 0, "wall_ms": 0.0, "drafting_ms": 0.0,
            "plain_equivalent_ms": 0.0}
     for s in steps:
         r = s["requests"]
-        if not plain.get(r):
+        if r not in plain:
             continue
         tokens = r + (s.get("accepted", 0) if s["trees"] else 0)
         out["steps"] += 1
         out["tokens"] += tokens
         out["wall_ms"] += s["wall_ms"]
         out["drafting_ms"] += s.get("drafting_ms", 0.0)
-        out["plain_equivalent_ms"] += tokens * sum(plain[r]) / len(plain[r]) / r
+        out["plain_equivalent_ms"] += tokens * plain[r] / r
     if out["steps"]:
         out["speedup"] = out["plain_equivalent_ms"] / out["wall_ms"]
     return out
@@ -83,7 +89,6 @@ def budget_outcomes(lines, min_requests: int = 1) -> dict:
     tokens per ms against the mean plain step of the same batch size, as the budget saw it
     (``predicted``) and as it came out (``realized``); ``decode``: ``decode_speedup`` of the
     same steps. A step's request records precede its step record in the trace."""
-    plain: dict[int, list[float]] = defaultdict(list)
     tree_steps, steps, pending = [], [], []
     for line in lines:
         d = json.loads(line)
@@ -95,24 +100,22 @@ def budget_outcomes(lines, min_requests: int = 1) -> dict:
         s, reqs, pending = d["step"], pending, []
         if not decode_only_step(s, min_requests):
             continue
-        r = s["requests"]
         # traces before the step records carried ``accepted``: from the request records
         steps.append({**s, "accepted": sum(q["accepted"] for q in reqs)})
-        taken = s["wall_ms"] - s.get("drafting_ms", 0.0)
-        if s["trees"] == 0:
-            plain[r].append(taken)
-        else:
-            tree_steps.append((r, s["predicted_ms"], taken, reqs))
+        if s["trees"]:
+            tree_steps.append((s["requests"], s["predicted_ms"],
+                               s["wall_ms"] - s.get("drafting_ms", 0.0), reqs))
+    plain = plain_step_ms(steps)
     out = {"steps": 0, "predicted_ms": 0.0, "taken_ms": 0.0, "expected": 0.0, "accepted": 0,
            "offered": 0, "requests": 0, "plain_ms": 0.0}
     for r, predicted, taken, reqs in tree_steps:
-        if not plain.get(r):
+        if r not in plain:
             continue
         out["steps"] += 1
         out["requests"] += r
         out["predicted_ms"] += predicted
         out["taken_ms"] += taken
-        out["plain_ms"] += sum(plain[r]) / len(plain[r])
+        out["plain_ms"] += plain[r]
         out["expected"] += sum(max(0.0, q.get("expected", 0.0)) for q in reqs)
         out["accepted"] += sum(q["accepted"] for q in reqs)
         out["offered"] += sum(q["verify"] for q in reqs)
