@@ -574,6 +574,7 @@ def test_engine_pool_bound_shrinks_the_coldest_requests_first():
     prompts = {f"r{i}": [rng.randrange(1, 3000) for _ in range(600)] for i in range(8)}
     for rid, p in prompts.items():
         m.start(rid, p)
+        m.propose([rid], [p[-1]])  # its prompt's n-grams reach the pool here
         assert m.pool_nodes() <= cfg.engine_pool_nodes
     # r7 just started and decodes on: it keeps its pool, the oldest ones gave theirs up
     for _ in range(3):
@@ -582,6 +583,64 @@ def test_engine_pool_bound_shrinks_the_coldest_requests_first():
     assert m.state("r7").pool.total > m.state("r0").pool.total
     assert m.pool_nodes() <= cfg.engine_pool_nodes
     assert m.nbytes() > 0
+
+
+def _pool_counts(pool: CandidatePool) -> dict:
+    """Every trie path of the pool (key, tokens...) with its visit count."""
+    out, stack = {}, [((key,), root) for key, root in pool._keys.items()]
+    while stack:
+        path, n = stack.pop()
+        for c in pool._children(n):
+            p = path + (pool._tok[c],)
+            out[p] = pool._cnt[c]
+            stack.append((p, c))
+    return out
+
+
+class _PoolsTextAtOnce(PTDMethod):
+    """PTD with the committed text pooled as it comes (what ``_pool_text`` defers)."""
+
+    def start(self, req_id, prompt_token_ids, prompt_hidden=None):
+        super().start(req_id, prompt_token_ids, prompt_hidden)
+        self._pool_text(self.state(req_id))
+
+    def _commit(self, st, tokens):
+        super()._commit(st, tokens)
+        self._pool_text(st)
+
+
+def test_ptd_pools_committed_text_only_when_it_proposes():
+    """A request that sends no tree pays nothing for its text's n-grams and keeps its text
+    whole; when it proposes again its pool holds what pooling the text as it came would
+    have put there."""
+    from vllm_ptd.method import StepOutcome
+
+    rng = random.Random(3)
+    # caps out of reach: which branch a full key evicts depends on when it was written
+    cfg = PTDConfig(pool_key_nodes=100_000).resolved("cpu")
+    prompt = [rng.randrange(1, 60) for _ in range(80)]
+    every, at_once, paused = PTDMethod(cfg, [0]), _PoolsTextAtOnce(cfg, [0]), PTDMethod(cfg, [0])
+    for m in (every, at_once, paused):
+        m.start("r", prompt)
+    assert paused.state("r").pool.total == 0  # the prompt is not pooled yet
+    last = rng.randrange(1, 60)  # the token the prefill sampled
+    for step in range(12):
+        committed = [rng.randrange(1, 60) for _ in range(1 + step % 3)]
+        every.propose(["r"], [last])
+        for m in (at_once, paused):
+            m.skip(["r"], [last])  # what the proposer calls when the budget sends none
+        # all ran without a tree: the committed text is all they learn
+        for m in (every, at_once, paused):
+            m.observe(["r"], [StepOutcome(FlatTree(), committed[-1], [], [], committed)])
+        last = committed[-1]
+    assert paused.state("r").history == every.state("r").history
+    # nothing of the text pooled (a merged seed subtree at most)
+    assert paused.state("r").pool.total < 5 < at_once.state("r").pool.total
+    assert len(paused.state("r").unpooled) > 0
+    a, b = at_once.propose(["r"], [last])[0], paused.propose(["r"], [last])[0]
+    assert _pool_counts(paused.state("r").pool) == _pool_counts(at_once.state("r").pool)
+    assert len(paused.state("r").unpooled) == 0
+    assert (a.tokens, a.parents) == (b.tokens, b.parents)
 
 
 def test_pool_shrink_frees_oldest_keys():

@@ -77,6 +77,11 @@ class TreeMethod(ABC, Generic[State]):
     def propose(self, req_ids: list[str], last_tokens: list[int]) -> list[FlatTree]:
         """Next step's tree for each request, rooted at its last committed token."""
 
+    def skip(self, req_ids: list[str], last_tokens: list[int]) -> None:
+        """These requests send no tree this step (drafting paused, or off at this batch
+        size); ``last_tokens`` are their last committed tokens, as ``propose`` would have
+        had them. Methods that follow the committed text take the token here."""
+
     def finish(self, req_id: str) -> None:
         """Drop the request's state (finished, aborted or preempted). Unknown ids are fine."""
         self._requests.pop(req_id, None)

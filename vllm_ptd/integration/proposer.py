@@ -562,6 +562,7 @@ class TreeProposer:
             # disable_by_batch_size), or drafting has not paid lately
             for req_id in ready_ids:
                 self.trees.pop(req_id, None)
+            method.skip(ready_ids, ready_last)
             return out
         t0 = time.perf_counter()
         with self.clock.part("drafting"):

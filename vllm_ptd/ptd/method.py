@@ -6,8 +6,11 @@ Each step's proposal is ``[candidate tree from pool[last token]] + [draft rows]`
   1. grows the draft tree from the draft rows' argmax (expansion, EOS removal, stepping
      prune, width/top-level control) and refills it from seeds when it ran empty;
   2. merges every draft subtree into the pool under its root token (recursive union M);
-  3. adds the n-grams the committed tokens completed (``pool_from_output``);
-  4. extends the verified candidate tree with the target's argmax at each node.
+  3. extends the verified candidate tree with the target's argmax at each node;
+  4. notes the committed tokens, whose n-grams (``pool_from_prompt``/``pool_from_output``)
+     reach the pool at the request's next proposal: a request that sends no tree (the
+     budget pauses drafting, or the batch is past ``disable_by_batch_size``) never pays for
+     them, which is most of what PTD costs a step of 16 requests that draft nothing.
 
 Costs per request and step are bounded by the tree budgets, the draft depth and the per-key
 trie cap; nothing walks the whole pool (capacity eviction is LRU in O(1) per evicted item).
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import random
 import zlib
+from array import array
 from typing import Callable, Sequence
 
 from vllm_ptd.method import StepOutcome, TreeMethod
@@ -40,7 +44,7 @@ class PTDRequest:
     """One request's PTD state."""
 
     __slots__ = ("req_id", "draft", "pool", "rng", "text", "prompt_len", "last",
-                 "expected_last", "steps", "seen")
+                 "expected_last", "steps", "seen", "unpooled")
 
     def __init__(self, req_id: str, draft: DraftTree, pool: CandidatePool,
                  rng: random.Random, text: SuffixIndex, prompt_len: int) -> None:
@@ -54,13 +58,18 @@ class PTDRequest:
         self.expected_last: int | None = None  # last committed token seen by observe
         self.steps = 0
         self.seen = 0  # the method's step counter when this request last decoded
+        # (start, end) of each text span committed since the last proposal whose n-grams
+        # are not in the pool yet, flattened; spans keep their commit boundaries because an
+        # n-gram cut at a boundary is inserted once per commit that reaches it
+        self.unpooled = array("q")
 
     @property
     def history(self) -> list[int]:
         return self.text.tokens
 
     def nbytes(self) -> int:
-        return self.pool.nbytes() + self.text.nbytes() + 200 * self.draft.num_nodes
+        return (self.pool.nbytes() + self.text.nbytes() + 200 * self.draft.num_nodes
+                + self.unpooled.itemsize * len(self.unpooled))
 
 
 def request_seed(seed: int, prompt: list[int]) -> int:
@@ -106,11 +115,10 @@ class PTDMethod(TreeMethod[PTDRequest]):
         st = PTDRequest(req_id, draft, pool, random.Random(request_seed(c.seed, prompt)), text,
                         len(prompt))
         if c.pool_from_prompt:
-            pool.insert_ngrams(prompt, self.ngram)
+            st.unpooled.extend((0, len(prompt)))
         self._refill(st)
         self._requests[req_id] = st
         st.seen = self._clock
-        self._bound_pools()
 
     def state(self, req_id: str) -> PTDRequest:
         return self._requests[req_id]
@@ -121,21 +129,30 @@ class PTDMethod(TreeMethod[PTDRequest]):
             st.draft.seed(self.seeding.seeds(st.history, st.rng, self.config.num_seeds))
 
     def _commit(self, st: PTDRequest, tokens: Sequence[int]) -> None:
-        """Append committed tokens; with ``pool_from_output`` insert the n-grams they extend:
-        every key position whose n-gram window reaches into the new tokens."""
+        """Append committed tokens; with ``pool_from_output`` their n-grams are due in the
+        pool (``_pool_text``)."""
         if not tokens:
             return
-        h = st.history
-        old = len(h)
+        old = len(st.history)
         st.text.extend(tokens)
-        if not self.config.pool_from_output:
-            return
-        n = self.ngram
+        if self.config.pool_from_output:
+            st.unpooled.extend((old, len(st.history)))
+
+    def _pool_text(self, st: PTDRequest) -> bool:
+        """Insert the n-grams of the text spans committed since the last proposal, as each
+        commit would have: every key position whose n-gram window reaches into the span,
+        the window cut at the span's end. Returns whether anything was due."""
+        spans = st.unpooled
+        if not spans:
+            return False
+        h, n, pool = st.history, self.ngram, st.pool
         first_key = 0 if self.config.pool_from_prompt else max(0, st.prompt_len - 1)
-        lo = max(first_key, old - n + 1)
-        new = len(h)
-        for i in range(lo, new - 1):
-            st.pool.insert_path(h[i], h[i + 1: min(i + n, new)])
+        for k in range(0, len(spans), 2):
+            old, new = spans[k], spans[k + 1]
+            for i in range(max(first_key, old - n + 1), new - 1):
+                pool.insert_path(h[i], h[i + 1: min(i + n, new)])
+        del spans[:]
+        return True
 
     # ------------------------------------------------------------------ steps
     @property
@@ -144,18 +161,32 @@ class PTDMethod(TreeMethod[PTDRequest]):
         estimated from the draft-only candidates accepted per draft row spent."""
         return (self.draft_hits + DRAFT_PRIOR_HITS) / (self.draft_rows + DRAFT_PRIOR_ROWS)
 
+    def _take_last(self, st: PTDRequest, last: int) -> None:
+        if st.expected_last is None or st.expected_last != last:
+            # the first decode step's root is the token sampled by the prefill; later a
+            # mismatch means the engine committed something observe did not see
+            self._commit(st, [last])
+            st.expected_last = last
+
+    def skip(self, req_ids: list[str], last_tokens: list[int]) -> None:
+        for req_id, last in zip(req_ids, last_tokens):
+            st = self._requests.get(req_id)
+            if st is not None:
+                self._take_last(st, int(last))
+
     def propose(self, req_ids: list[str], last_tokens: list[int]) -> list[FlatTree]:
         out = []
         c = self.config
         suffix = c.match == "suffix"
-        for req_id, last in zip(req_ids, last_tokens):
-            st = self._requests[req_id]
+        states = [self._requests[r] for r in req_ids]
+        pooled = False
+        for st, last in zip(states, last_tokens):
+            self._take_last(st, int(last))
+            pooled |= self._pool_text(st)
+        if pooled:
+            self._bound_pools()
+        for st, last in zip(states, last_tokens):
             last = int(last)
-            if st.expected_last is None or st.expected_last != last:
-                # the first decode step's root is the token sampled by the prefill; later a
-                # mismatch means the engine committed something observe did not see
-                self._commit(st, [last])
-                st.expected_last = last
             # as deep as the tree may be: a long earlier match (code, quoted text) is often
             # followed by a long run of the same tokens
             match = st.text.continuations(c.max_verify_nodes) if suffix else None
@@ -215,7 +246,7 @@ class PTDMethod(TreeMethod[PTDRequest]):
             if st.last is not None:
                 st.pool.add_verified(tree, oc.node_argmax[:nv], st.last,
                                      oc.root_argmax)
-            # 4. the committed tokens and the n-grams they complete
+            # 4. the committed tokens (their n-grams reach the pool at the next proposal)
             self._commit(st, oc.committed)
             if oc.committed:
                 st.expected_last = int(oc.committed[-1])
