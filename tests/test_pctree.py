@@ -14,6 +14,7 @@ import torch
 
 from vllm_ptd.pctree.config import PCTreeConfig
 from vllm_ptd.method import StepOutcome
+from vllm_ptd.tree import FlatTree
 from vllm_ptd.pctree.checkpoint import (check_drafter_fits, expected_tensor_shapes, load_drafter,
                                         read_tensor_shapes, save_drafter)
 from vllm_ptd.pctree.drafter import (DSparkConfig, DSparkDrafter, MarkovHead,
@@ -439,6 +440,24 @@ def test_check_reads_headers_only(tmp_path):
 # ---------------------------------------------------------------------------------------
 
 
+def test_method_bounds_rows_waiting_for_the_drafter(tmp_path):
+    from vllm_ptd.pctree.method import PENDING_FLUSH_ROWS
+
+    dr = make_drafter(seed=4)
+    save_drafter(dr, tmp_path)
+    m = PCTreeMethod(PCTreeConfig(model=str(tmp_path)), TARGET, dr.embed_tokens.weight.detach())
+    n = PENDING_FLUSH_ROWS
+    m.start("long", list(range(n + 3)), rows(n, 1))  # a long prompt goes in at once
+    m.start("short", list(range(8)), rows(8, 2))
+    st, short = m._requests["long"], m._requests["short"]
+    assert (st.ctx.length, st.ctx.next_position, st.pending_rows) == (n, n + 3, 0)
+    assert (short.ctx.length, short.ctx.next_position, short.pending_rows) == (0, 0, 8)
+    tree = FlatTree()
+    for step in range(n - 8):  # steps without a tree: one row each, until the bound
+        m.observe(["short"], [StepOutcome(tree, 1, [], [], [1], hidden=rows(1, 3 + step))])
+    assert (short.ctx.length, short.ctx.next_position, short.pending_rows) == (n, n, 0)
+
+
 def test_method_lifecycle_and_batching(tmp_path):
     dr = make_drafter(seed=4)
     save_drafter(dr, tmp_path)
@@ -449,7 +468,11 @@ def test_method_lifecycle_and_batching(tmp_path):
     m.start("a", list(range(5)), rows(5, 1))
     m.start("b", list(range(9)), rows(9, 2))
     m.start("c", list(range(12)), rows(4, 3))  # only the last rows (cached prefix)
+    # the prompt rows wait for the request's first proposal: no drafter work before it
+    assert [m._requests[r].ctx.length for r in "abc"] == [0, 0, 0]
+    assert [m._requests[r].pending_rows for r in "abc"] == [5, 9, 4]
     trees = m.propose(["a", "zzz", "b", "c"], [7, 1, 8, 9])
+    assert [m._requests[r].ctx.length for r in "abc"] == [5, 9, 4]
     assert trees[1].num_nodes == 0
     for i, rid in ((0, "a"), (2, "b"), (3, "c")):
         assert trees[i].num_nodes == 8

@@ -517,6 +517,7 @@ class TreeProposer:
         qsl = self.runner.query_start_loc.np
         method = self.method
         observe_ids, observe_outcomes, ready_ids, ready_last, ready_b = [], [], [], [], []
+        hidden_rows: list[int] = []  # per observed request: its rows [root, *accepted]
         for b, req_id in enumerate(ib.req_ids[: ib.num_reqs]):
             toks = sampled_token_ids[b]
             if method.has(req_id):
@@ -527,7 +528,8 @@ class TreeProposer:
                     outcome = StepOutcome(FlatTree(), toks[-1], [], [], list(toks))
                 if hidden is not None:
                     r0 = int(qsl[b])
-                    outcome.hidden = hidden[[r0] + [r0 + 1 + a for a in outcome.accepted]]
+                    hidden_rows.append(r0)
+                    hidden_rows.extend(r0 + 1 + a for a in outcome.accepted)
                 observe_ids.append(req_id)
                 observe_outcomes.append(outcome)
             else:
@@ -551,6 +553,12 @@ class TreeProposer:
             ready_last.append(int(toks[-1]))
             ready_b.append(b)
         if observe_ids:
+            if hidden is not None:  # one gather for the batch, a view per request
+                rows = hidden.index_select(
+                    0, torch.tensor(hidden_rows, dtype=torch.long, device=hidden.device))
+                parts = rows.split([1 + len(oc.accepted) for oc in observe_outcomes])
+                for oc, part in zip(observe_outcomes, parts):
+                    oc.hidden = part
             with self.clock.part("drafting"):
                 method.observe(observe_ids, observe_outcomes)
         if not ready_ids:

@@ -681,7 +681,7 @@ class DSparkDrafter(nn.Module):
         power of two. Why: the rows a request gathers while it does not draft vary in
         number, and the GEMM of every new row count is prepared anew (measured: flushing 4
         requests' 10-40 rows one by one took 4-7 ms at varying counts against 3 ms at a
-        repeated one)."""
+        repeated one). The prompts' rows come this way too, when their requests first draft."""
         rows = [self.as_rows(r) for r in hidden_rows]
         if len(rows) != len(ctxs):
             raise ValueError(f"{len(ctxs)} contexts but {len(rows)} row blocks")
@@ -689,7 +689,9 @@ class DSparkDrafter(nn.Module):
         total = sum(counts)
         if total == 0:
             return
-        padded = 1 << max(3, (total - 1).bit_length())
+        # powers of two up to 256 rows, then multiples of 256 (a prompt's rows: padding
+        # them to a power of two would cost up to twice their projection)
+        padded = 1 << max(3, (total - 1).bit_length()) if total <= 256 else -(-total // 256) * 256
         x = torch.zeros(1, padded, rows[0].shape[1], dtype=rows[0].dtype, device=self.device)
         x[0, :total] = torch.cat(rows).to(self.device)
         pos = torch.zeros(1, padded, dtype=torch.long)

@@ -14,8 +14,8 @@ Per request:
 
 * ``start``: ``prompt_hidden`` holds the prompt rows (all of them, or the last ones when a
   prefix was cached: rows are aligned to the end of the prompt); they become the drafter
-  context at positions ``0 .. len(prompt)-1``. The first generated token (at position
-  ``len(prompt)``) is the first root.
+  context at positions ``0 .. len(prompt)-1`` when the request first drafts. The first
+  generated token (at position ``len(prompt)``) is the first root.
 * ``observe``: ``outcome.hidden`` holds the rows ``[root, *accepted]`` of the forward; they
   are appended at the next positions. The new root (the bonus token) has no hidden state
   yet, so the context always ends right before the root, as in DeepSpec.
@@ -93,13 +93,22 @@ PENDING_FLUSH_ROWS = 256  # bound on rows waiting for the drafter's context
 
 
 class _Request:
-    __slots__ = ("ctx", "pending")
+    __slots__ = ("ctx", "pending", "pending_rows")
 
     def __init__(self, ctx: DraftContext):
         self.ctx = ctx
-        # hidden rows observed but not yet in the drafter's context: added in one call when
-        # the request next drafts (steps without drafting then cost no drafter work)
+        # hidden rows (the prompt's, then observed ones) not yet in the drafter's context,
+        # to go in at ``ctx.next_position`` in one call when the request next drafts: a
+        # request that sends no tree (drafting paused, or off at this batch size) costs no
+        # drafter work, up to PENDING_FLUSH_ROWS rows
         self.pending: list[torch.Tensor] = []
+        self.pending_rows = 0
+
+    def add_pending(self, rows: torch.Tensor) -> bool:
+        """Queue rows; True when the bound is reached and they should be flushed."""
+        self.pending.append(rows)
+        self.pending_rows += rows.shape[0]
+        return self.pending_rows >= PENDING_FLUSH_ROWS
 
 
 class PCTreeMethod(TreeMethod[_Request]):
@@ -162,9 +171,10 @@ class PCTreeMethod(TreeMethod[_Request]):
         if rows.shape[0] > P:
             raise ValueError(f"prompt_hidden has {rows.shape[0]} rows for a {P}-token prompt")
         ctx = self.drafter.new_context(self.max_context)
-        self.drafter.append_context(ctx, rows, P - rows.shape[0])
-        ctx.next_position = P
-        self._requests[req_id] = _Request(ctx)
+        ctx.next_position = P - rows.shape[0]  # where the pending prompt rows go
+        st = self._requests[req_id] = _Request(ctx)
+        if rows.shape[0] and st.add_pending(rows):
+            self._flush([st])
 
     def observe(self, req_ids: list[str], outcomes: list[StepOutcome]) -> None:
         if len(req_ids) != len(outcomes):
@@ -181,8 +191,7 @@ class PCTreeMethod(TreeMethod[_Request]):
             if rows.shape[0] != want:
                 raise ValueError(f"request {rid!r}: StepOutcome.hidden has {rows.shape[0]} rows, "
                                  f"expected {want} (root + {len(out.accepted)} accepted)")
-            st.pending.append(rows)
-            if sum(r.shape[0] for r in st.pending) >= PENDING_FLUSH_ROWS:
+            if st.add_pending(rows):
                 self._flush([st])
 
     def _flush(self, states: list[_Request]) -> None:
@@ -193,7 +202,7 @@ class PCTreeMethod(TreeMethod[_Request]):
         rows = [torch.cat(st.pending) if len(st.pending) > 1 else st.pending[0]
                 for st in waiting]
         for st in waiting:
-            st.pending = []
+            st.pending, st.pending_rows = [], 0
         self.drafter.append_contexts([st.ctx for st in waiting], rows)
 
     @torch.no_grad()
