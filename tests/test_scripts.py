@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -244,3 +245,31 @@ def test_warmup_runs_held_out_prompts_and_records_nothing():
     both = load_token_prompts(model, ["mt_bench"], 5, None, 4096)
     assert [p["id"] for p in both["mt_bench"]] == [p["id"] for p in
                                                    got["mt_bench"] + held["mt_bench"]]
+
+
+def test_upkeep_times_phases_and_checks_outputs_against_plain():
+    from vllm_ptd.bench.upkeep import _reference, add_timer, report, summarize
+
+    class Core:
+        def step(self, x):
+            time.sleep(0.01)
+            return x + 1
+
+    core, totals = Core(), {}
+    add_timer(core, "step", "execute", totals)
+    assert core.step(1) == 2 and core.step(2) == 3
+    assert 0.02 <= totals["execute"] < 1.0
+    plain = [{"round": 0, "dataset": "a", "chunk": 0, "wall": 2.0, "outputs": [[1, 2], [3]]},
+             {"round": 1, "dataset": "a", "chunk": 0, "wall": 4.0, "outputs": [[1, 2], [3]]}]
+    ref = _reference(plain)
+    assert ref == {"a": [[1, 2], [3]]}
+    tree = [{"round": 0, "dataset": "a", "chunk": 0, "wall": 3.0, "propose_draft_token_ids": 0.5,
+             "outputs": [[1, 2], [4]]},
+            {"round": 1, "dataset": "a", "chunk": 0, "wall": 5.0, "propose_draft_token_ids": 0.1,
+             "outputs": [[1, 2], [3]]}]
+    s = summarize(tree, ref)
+    assert s["wall"] == {"mean": 4.0, "min": 3.0, "max": 5.0}
+    assert s["propose_draft_token_ids"]["mean"] == pytest.approx(0.3)
+    assert (s["identical"], s["compared"]) == (3, 4)
+    table = report([("none", summarize(plain, None)), ("ptd", s)])
+    assert "| 1 | none | 3.00 (2.00-4.00) |" in table and "| 3/4 |" in table
