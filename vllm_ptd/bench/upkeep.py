@@ -64,18 +64,14 @@ def summarize(records: list[dict], reference: dict | None) -> dict:
 
 
 def _child(label: str, spec: dict | None, opts: dict, prompts: dict, out_path: str) -> None:
+    from vllm_ptd.bench.engines import engine_env, llm_kwargs
+
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
-    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")  # see bench.engines.engine_worker
+    engine_env()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kwargs = dict(model=opts["model"], dtype=opts["dtype"], max_model_len=opts["max_model_len"],
-                  max_num_seqs=opts["batch_size"], seed=0, enable_prefix_caching=False,
-                  kv_cache_memory_bytes=int(opts["kv_cache_gib"] * 2**30),
-                  enforce_eager=opts["enforce_eager"])
-    if spec is not None:
-        kwargs["speculative_config"] = dict(spec)
-    llm = LLM(**kwargs)
+    llm = LLM(**llm_kwargs(opts, spec))
     core = llm.llm_engine.engine_core.engine_core
     totals: dict = {}
     for key, (owner, name) in CORE_PHASES.items():
@@ -89,7 +85,7 @@ def _child(label: str, spec: dict | None, opts: dict, prompts: dict, out_path: s
     def generate(ids):
         return llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], sp, use_tqdm=False)
 
-    bs = opts["batch_size"]
+    bs = opts["max_num_seqs"]
     first = next(iter(prompts.values()))
     generate([list(reversed(p)) for p in first[:bs]])  # warm-up on text nobody measures
     with open(out_path, "w") as f:
@@ -162,10 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {ds: [p["ids"] for p in items] for ds, items in prompts.items()}
     out = Path(args.out or f"results/upkeep-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
+    # the offline benchmark's engine options (bench.engines.engine_opts), batches of one size
     opts = {"model": model, "dtype": args.dtype, "max_model_len": args.max_model_len,
-            "batch_size": args.batch_size, "kv_cache_gib": args.kv_cache_gib,
-            "enforce_eager": args.enforce_eager, "max_tokens": args.max_tokens,
-            "rounds": args.rounds}
+            "max_num_seqs": args.batch_size, "seed": 0, "enforce_eager": args.enforce_eager,
+            "prefix_caching": False, "kv_cache_gib": args.kv_cache_gib,
+            "max_tokens": args.max_tokens, "rounds": args.rounds}
     ctx = mp.get_context("spawn")
     runs = []
     for i, m in enumerate(methods):
