@@ -30,6 +30,15 @@ def test_parse_methods_adds_plain_and_checks_keys():
         methods.parse_methods("eagle")
 
 
+def test_a_method_runs_again_under_a_tag():
+    parsed = methods.parse_methods("none,none@2,ptd@b:max_verify_nodes=6")
+    assert [(m.label, m.name) for m in parsed] == [
+        ("none", "none"), ("none@2", "none"), ("ptd@b:max_verify_nodes=6", "ptd")]
+    assert parsed[1].spec is None and parsed[2].spec == {"method": "ptd", "max_verify_nodes": 6}
+    with pytest.raises(ValueError, match="none@"):
+        methods.parse_methods("none@")
+
+
 def test_dtype_auto_and_fp32_alias():
     a = argparse.Namespace(dtype="auto", kv_cache_gib=None, model="m")
     host.resolve_common_args(a)

@@ -54,12 +54,16 @@ def suffix_available() -> bool:
 
 def parse_method(text: str) -> Method:
     """``none``, ``ngram:K[:k=v...]``, ``suffix[:k=v...]`` or a tree method
-    ``<name>[:k=v...]`` (ptd, pctree, ...: vllm_ptd.methods)."""
+    ``<name>[:k=v...]`` (ptd, pctree, ...: vllm_ptd.methods). ``<name>@<tag>`` runs the same
+    method again in an engine of its own (``none@2``: a second plain engine; its ratio to
+    ``none`` shows how far two engine processes differ on the same work in that run)."""
     from vllm_ptd.methods import method_names
 
     label = text.strip()
     parts = label.split(":")
-    name = parts[0].strip().lower()
+    name, at, tag = parts[0].strip().lower().partition("@")
+    if at and not tag.strip():
+        raise ValueError(f"method {label!r}: write <name>@<tag>, e.g. none@2")
     if name == "none":
         if len(parts) > 1:
             raise ValueError("method 'none' takes no options")
