@@ -268,17 +268,21 @@ def test_upkeep_times_phases_and_checks_outputs_against_plain():
     add_timer(core, "step", "execute", totals)
     assert core.step(1) == 2 and core.step(2) == 3
     assert 0.02 <= totals["execute"] < 1.0
-    plain = [{"round": 0, "dataset": "a", "chunk": 0, "wall": 2.0, "outputs": [[1, 2], [3]]},
-             {"round": 1, "dataset": "a", "chunk": 0, "wall": 4.0, "outputs": [[1, 2], [3]]}]
+    # two batches per dataset: each is checked against the same batch of plain decoding
+    plain = [{"round": n, "dataset": "a", "chunk": c, "wall": 1.0 + 2 * n,
+              "outputs": [[1, 2], [3]] if c == 0 else [[5], [6, 7]]}
+             for n in (0, 1) for c in (0, 2)]
     ref = _reference(plain)
-    assert ref == {"a": [[1, 2], [3]]}
-    tree = [{"round": 0, "dataset": "a", "chunk": 0, "wall": 3.0, "propose_draft_token_ids": 0.5,
+    assert ref == {("a", 0): [[1, 2], [3]], ("a", 2): [[5], [6, 7]]}
+    tree = [{"round": 0, "dataset": "a", "chunk": 0, "wall": 1.0, "propose_draft_token_ids": 0.5,
              "outputs": [[1, 2], [4]]},
-            {"round": 1, "dataset": "a", "chunk": 0, "wall": 5.0, "propose_draft_token_ids": 0.1,
-             "outputs": [[1, 2], [3]]}]
+            {"round": 0, "dataset": "a", "chunk": 2, "wall": 2.0, "outputs": [[5], [6, 7]]},
+            {"round": 1, "dataset": "a", "chunk": 0, "wall": 2.0, "propose_draft_token_ids": 0.1,
+             "outputs": [[1, 2], [3]]},
+            {"round": 1, "dataset": "a", "chunk": 2, "wall": 3.0, "outputs": [[5], [6, 7]]}]
     s = summarize(tree, ref)
     assert s["wall"] == {"mean": 4.0, "min": 3.0, "max": 5.0}
     assert s["propose_draft_token_ids"]["mean"] == pytest.approx(0.3)
-    assert (s["identical"], s["compared"]) == (3, 4)
+    assert (s["identical"], s["compared"]) == (7, 8)
     table = report([("none", summarize(plain, None)), ("ptd", s)])
-    assert "| 1 | none | 3.00 (2.00-4.00) |" in table and "| 3/4 |" in table
+    assert "| 1 | none | 4.00 (2.00-6.00) |" in table and "| 7/8 |" in table

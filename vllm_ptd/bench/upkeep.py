@@ -46,7 +46,8 @@ def add_timer(obj, name: str, key: str, totals: dict) -> None:
 def summarize(records: list[dict], reference: dict | None) -> dict:
     """One method's rounds (``records``: ``{"round", "dataset", "wall", <phase>...,
     "outputs"}`` per batch) as mean and spread over rounds of each phase's seconds per
-    round, and how many outputs equal ``reference`` (``{dataset: outputs}`` of ``none``)."""
+    round, and how many outputs equal ``reference`` (``{(dataset, chunk): outputs}`` of
+    ``none``: each batch against the same batch of plain decoding)."""
     rounds = sorted({r["round"] for r in records})
     keys = ["wall", *CORE_PHASES, *RUNNER_PHASES]
     per_round = {k: [sum(r.get(k, 0.0) for r in records if r["round"] == n) for n in rounds]
@@ -56,7 +57,7 @@ def summarize(records: list[dict], reference: dict | None) -> dict:
     same = total = 0
     if reference is not None:
         for r in records:
-            for a, b in zip(r["outputs"], reference.get(r["dataset"], [])):
+            for a, b in zip(r["outputs"], reference.get((r["dataset"], r["chunk"]), [])):
                 total += 1
                 same += int(a == b)
     out["identical"], out["compared"] = same, total
@@ -103,12 +104,8 @@ def _child(label: str, spec: dict | None, opts: dict, prompts: dict, out_path: s
 
 
 def _reference(records: list[dict]) -> dict:
-    """``{dataset: outputs}`` of a ``none`` run's first round, batches in order."""
-    ref: dict = {}
-    for r in sorted(records, key=lambda r: (r["dataset"], r["chunk"])):
-        if r["round"] == 0:
-            ref.setdefault(r["dataset"], []).extend(r["outputs"])
-    return ref
+    """``{(dataset, chunk): outputs}`` of a ``none`` run's first round."""
+    return {(r["dataset"], r["chunk"]): r["outputs"] for r in records if r["round"] == 0}
 
 
 def report(results: list[tuple[str, dict]]) -> str:
