@@ -64,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--model", default=None, help="HF model folder (default: the embedded model)")
-    ap.add_argument("--methods", default=DEFAULT_METHODS)
+    ap.add_argument("--methods", default=DEFAULT_METHODS,
+                    help="comma separated: none, ngram:K, suffix, ptd, pctree, each with "
+                         "optional :key=value; <method>@<tag> runs a method again in its own "
+                         "engine (none@2: a second plain engine, the run's noise control)")
     ap.add_argument("--datasets", default=DEFAULT_DATASETS)
     ap.add_argument("--num-prompts", type=int, default=None,
                     help="prompts per dataset (default: all; gsm8k/mbpp: their 100-sample)")
