@@ -127,7 +127,8 @@ def report(results: list[tuple[str, dict]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vllm_ptd.bench.methods import parse_method
+    from vllm_ptd.bench.engines import engine_opts
+    from vllm_ptd.bench.methods import parse_method, safe_label
     from vllm_ptd.bench.prompts import load_token_prompts
     from vllm_ptd.model_store import default_model_path
 
@@ -149,21 +150,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="folder for the records (default results/upkeep-<time>)")
     args = ap.parse_args(argv)
     methods = [parse_method(m) for m in args.methods.split(",") if m.strip()]
-    model = args.model or default_model_path()
-    prompts = load_token_prompts(model, args.datasets.split(","), args.num_prompts, None,
+    args.model = args.model or default_model_path()
+    args.seed, args.prefix_caching = 0, False
+    prompts = load_token_prompts(args.model, args.datasets.split(","), args.num_prompts, None,
                                  args.max_model_len - args.max_tokens)
     prompts = {ds: [p["ids"] for p in items] for ds, items in prompts.items()}
     out = Path(args.out or f"results/upkeep-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    # the offline benchmark's engine options (bench.engines.engine_opts), batches of one size
-    opts = {"model": model, "dtype": args.dtype, "max_model_len": args.max_model_len,
-            "max_num_seqs": args.batch_size, "seed": 0, "enforce_eager": args.enforce_eager,
-            "prefix_caching": False, "kv_cache_gib": args.kv_cache_gib,
-            "max_tokens": args.max_tokens, "rounds": args.rounds}
+    # the offline benchmark's engine options, batches of one size
+    opts = {**engine_opts(args, args.batch_size), "max_tokens": args.max_tokens,
+            "rounds": args.rounds}
     ctx = mp.get_context("spawn")
     runs = []
     for i, m in enumerate(methods):
-        path = out / f"{i + 1}_{m.label.replace(':', '_').replace('=', '-')}.jsonl"
+        path = out / f"{i + 1}_{safe_label(m.label)}.jsonl"
         print(f"[upkeep] {i + 1}/{len(methods)} {m.label} ...", flush=True)
         p = ctx.Process(target=_child, args=(m.label, m.spec, opts, prompts, str(path)))
         p.start()
