@@ -256,6 +256,37 @@ def test_warmup_runs_held_out_prompts_and_records_nothing():
                                                    got["mt_bench"] + held["mt_bench"]]
 
 
+def test_continuous_batching_sends_each_dataset_in_one_call():
+    """--batching continuous: one call per dataset and repeat with all its prompts (the
+    engine's max_num_seqs keeps the batch size), warmed up on one batch's worth of held-out
+    prompts; several batch sizes are refused with the flag named."""
+    from vllm_ptd.bench.cli import main
+    from vllm_ptd.bench.interleave import run_interleaved
+
+    class FakeEngine:
+        def __init__(self, label):
+            self.label, self.seen = label, []
+
+        def generate(self, batch, max_tokens):
+            self.seen.append(([list(b) for b in batch], max_tokens))
+            return {"wall": 1.0, "outputs": [[1]] * len(batch), "counters": None, "trace": []}
+
+    prompts = {"a": [{"id": i, "ids": [i]} for i in range(5)],
+               "b": [{"id": 9, "ids": [9, 9]}]}
+    spare = {"a": [{"id": 7, "ids": [70]}, {"id": 8, "ids": [80]}], "b": []}
+    eng = [FakeEngine("none"), FakeEngine("ptd")]
+    recs = run_interleaved(eng, prompts, [2], 2, 16, 0.0, True, progress=False,
+                           warmup_prompts=spare, continuous=True)
+    for e in eng:
+        assert [b for b, _ in e.seen[:2]] == [[[70], [80]], [[9, 9]]]  # warm-up: 2 and 1
+        assert [len(b) for b, _ in e.seen[2:]] == [5, 1, 5, 1]  # whole datasets, 2 repeats
+    assert len(recs) == 2 * 2 * 2 and {r["chunk"] for r in recs} == {0}
+    assert {tuple(r["prompt_index"]) for r in recs if r["dataset"] == "a"} == {(0, 1, 2, 3, 4)}
+    with pytest.raises(SystemExit):
+        main(["--batching", "continuous", "--batch-sizes", "4,16", "--methods", "none",
+              "--num-prompts", "1"])
+
+
 def test_upkeep_times_phases_and_checks_outputs_against_plain():
     from vllm_ptd.bench.upkeep import _reference, add_timer, report, summarize
 

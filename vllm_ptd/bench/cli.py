@@ -30,7 +30,9 @@ A method whose engine fails to start (e.g. PCTree before its drafter exists) is 
 the reason; the others run. Engine logs go to OUT/logs/<method>.log.
 
 Measured per method: tok/s = generated tokens / wall time of its generate calls (prompts of
-one batch are submitted together, greedy, stop at EOS or --max-tokens); speedup vs none;
+one batch are submitted together, greedy, stop at EOS or --max-tokens; with --batching
+continuous all of a dataset's prompts go in one call, at most the batch size running at
+once); speedup vs none;
 token identity vs none (the same prompt, batch and repeat). Speculation metrics come from
 the proposer trace (VLLM_PTD_TRACE, one line per request and tree step) for ptd/pctree and
 from vLLM's spec-decode counters for ngram; both are kept for every method as a cross-check.
@@ -74,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--batch-sizes", type=int_list, default=[1, 4, 16])
+    ap.add_argument("--batching", choices=["closed", "continuous"], default="closed",
+                    help="closed: each batch of --batch-sizes prompts is submitted together and "
+                         "ends with its slowest request; continuous: each dataset's prompts in "
+                         "one call to engines with max_num_seqs = the batch size, a waiting "
+                         "request starting whenever one finishes (one batch size per run)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto",
                     help="auto (bf16 on GPUs and CPUs with native bf16, else fp32) | bfloat16 | "
@@ -139,5 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [d for d in datasets if d not in DATASETS]
     if bad:
         ap.error(f"unknown dataset(s) {bad}; choose from {', '.join(DATASETS)}")
+    if args.batching == "continuous" and len(args.batch_sizes) != 1:
+        ap.error(f"--batching continuous runs one batch size (the engines' max_num_seqs), "
+                 f"got --batch-sizes {','.join(map(str, args.batch_sizes))}")
     result = run_benchmark(args, methods, datasets)
     return 0 if result else 1

@@ -9,9 +9,16 @@ from vllm_ptd.bench.engines import Engine, EngineFailed
 def run_interleaved(engines: list[Engine], prompts: dict[str, list[dict]], batch_sizes: list[int],
                     repeats: int, max_tokens: int, settle: float, warmup: bool,
                     progress: bool = True, on_repeat_done=None, say=print,
-                    warmup_prompts: dict[str, list[dict]] | None = None) -> list[dict]:
+                    warmup_prompts: dict[str, list[dict]] | None = None,
+                    continuous: bool = False) -> list[dict]:
     """Every engine runs every batch of prompts in turn; the order rotates per batch.
     Returns one record per (engine, dataset, batch size, repeat, batch).
+
+    Closed batches (the default) submit ``bs`` prompts together and wait for all of them:
+    a batch lasts as long as its slowest request. ``continuous`` submits each dataset's
+    prompts in one call (one "batch" per dataset and repeat, chunk 0) to engines started
+    with ``max_num_seqs`` = the batch size, so vLLM's scheduler starts a waiting request
+    whenever one finishes, as in offline use of ``LLM.generate`` over many prompts.
 
     The warm-up (``warmup``) runs, unrecorded, one batch of each size per dataset on
     ``warmup_prompts`` (held-out prompts of that dataset, repeated to fill the batch); a
@@ -24,8 +31,9 @@ def run_interleaved(engines: list[Engine], prompts: dict[str, list[dict]], batch
     for r in range(repeats):
         for ds, items in prompts.items():
             for bs in batch_sizes:
-                for ci, start in enumerate(range(0, len(items), bs)):
-                    work.append((r, ds, bs, ci, list(range(start, min(start + bs, len(items))))))
+                step = len(items) if continuous else bs
+                for ci, start in enumerate(range(0, len(items), step)):
+                    work.append((r, ds, bs, ci, list(range(start, min(start + step, len(items))))))
     live = list(engines)
     records: list[dict] = []
 
@@ -33,6 +41,7 @@ def run_interleaved(engines: list[Engine], prompts: dict[str, list[dict]], batch
         r, ds, bs, ci, idx = item
         batch = [prompts[ds][i]["ids"] for i in idx]
         if warm:
+            batch = batch[:bs]  # a continuous run warms up on one batch's worth
             # a text no measured request holds, so a method that remembers earlier requests
             # (suffix decoding's global cache) learns nothing of the measured outputs
             spare = (warmup_prompts or {}).get(ds) or []

@@ -75,7 +75,7 @@ def run_benchmark(args, methods: list[Method], datasets: list[str], say=None) ->
                 "prompt_ids": {d: [p["id"] for p in v] for d, v in prompts.items()},
                 "methods": {m.label: m.spec for m in methods}, "load_s": load,
                 "args": vars(args), "started": started, "host": host_info(),
-                "settle_s": args.settle,
+                "settle_s": args.settle, "batching": args.batching,
                 "warmup_prompt_ids": {d: [p["id"] for p in v] for d, v in (spare or {}).items()}}
 
         def write(records, partial: bool):
@@ -96,7 +96,8 @@ def run_benchmark(args, methods: list[Method], datasets: list[str], say=None) ->
         records = run_interleaved(
             engines, prompts, args.batch_sizes, args.repeats, args.max_tokens, args.settle,
             warmup=not args.no_warmup, progress=not args.no_progress,
-            on_repeat_done=lambda recs, r: write(recs, True), say=say, warmup_prompts=spare)
+            on_repeat_done=lambda recs, r: write(recs, True), say=say, warmup_prompts=spare,
+            continuous=args.batching == "continuous")
         md, plots = write(records, False)
         print(md)
         say(f"[bench] wrote {out / 'results.md'}, {out / 'results.json'}, "

@@ -51,7 +51,9 @@ def markdown_report(agg: dict, meta: dict, methods: list[Method], failed: dict) 
     get = {(r["method"], r["batch_size"], r["dataset"]): r for r in rows}
     L = ["# Speculative decoding benchmark", ""]
     L.append(f"- model: `{meta['model']}`, dtype {meta['dtype']}, greedy, max {meta['max_tokens']} "
-             f"new tokens, {meta['repeats']} repeat(s), batch sizes {meta['batch_sizes']}")
+             f"new tokens, {meta['repeats']} repeat(s), batch sizes {meta['batch_sizes']}"
+             + (" (continuous batching: each dataset's prompts in one call, at most the batch "
+                "size running)" if meta.get("batching") == "continuous" else ""))
     L.append("- prompts per dataset: " + ", ".join(f"{d} {n}" for d, n in meta["prompts"].items()))
     L.append(f"- host: {meta['host']['cpus']} CPUs, {meta['host']['platform']}; vLLM "
              f"{meta['host'].get('vllm')}, torch {meta['host'].get('torch')}; "
