@@ -176,7 +176,8 @@ def test_trace_steps_groups_by_batch_and_trees():
     rec = lambda **k: json.dumps({"step": {"drafting_ms": 1.0, "verify_ms": 0.0, **k}})  # noqa: E731
     lines = [rec(rows=16, requests=16, trees=0, wall_ms=100.0, forward_ms=90.0),
              rec(rows=20, requests=16, trees=2, wall_ms=130.0, forward_ms=110.0, verify_ms=6.0),
-             rec(rows=24, requests=16, trees=3, wall_ms=150.0, forward_ms=120.0, verify_ms=8.0),
+             rec(rows=24, requests=16, trees=3, wall_ms=150.0, forward_ms=120.0, verify_ms=8.0,
+                 accepted=5),
              rec(rows=1, requests=1, trees=0, wall_ms=50.0, forward_ms=45.0),
              rec(rows=16, requests=16, trees=0, wall_ms=4000.0, forward_ms=90.0),  # idle
              json.dumps({"req": "a", "nodes": 3})]
@@ -185,6 +186,8 @@ def test_trace_steps_groups_by_batch_and_trees():
     assert g[(16, True)]["steps"] == 2 and g[(16, True)]["rows"] == 22
     assert g[(16, True)]["verify"] == 7.0 and g[(16, True)]["host"] == 140.0 - 115.0 - 1.0
     assert g[(16, False)]["steps"] == 1
+    assert g[(16, True)]["busy_s"] == pytest.approx(0.28) and g[(16, True)]["accepted"] == 5
+    assert g[(1, False)]["busy_s"] == pytest.approx(0.05)  # the idle step is not busy time
     assert set(step_groups(lines, requests=1)) == {(1, False)}
 
 
