@@ -263,6 +263,7 @@ def test_continuous_batching_sends_each_dataset_in_one_call():
     """--batching continuous: one call per dataset and repeat with all its prompts (the
     engine's max_num_seqs keeps the batch size), warmed up on one batch's worth of held-out
     prompts; several batch sizes are refused with the flag named."""
+    from vllm_ptd.bench.aggregate import aggregate
     from vllm_ptd.bench.cli import main
     from vllm_ptd.bench.interleave import run_interleaved
 
@@ -272,7 +273,7 @@ def test_continuous_batching_sends_each_dataset_in_one_call():
 
         def generate(self, batch, max_tokens):
             self.seen.append(([list(b) for b in batch], max_tokens))
-            return {"wall": 1.0, "outputs": [[1]] * len(batch), "counters": None, "trace": []}
+            return {"wall": 1.0, "outputs": [[1]] * len(batch), "counters": {}, "trace": []}
 
     prompts = {"a": [{"id": i, "ids": [i]} for i in range(5)],
                "b": [{"id": 9, "ids": [9, 9]}]}
@@ -285,6 +286,11 @@ def test_continuous_batching_sends_each_dataset_in_one_call():
         assert [len(b) for b, _ in e.seen[2:]] == [5, 1, 5, 1]  # whole datasets, 2 repeats
     assert len(recs) == 2 * 2 * 2 and {r["chunk"] for r in recs} == {0}
     assert {tuple(r["prompt_index"]) for r in recs if r["dataset"] == "a"} == {(0, 1, 2, 3, 4)}
+    # one batch per dataset and repeat completes a repeat (closed batches would expect 3 for a)
+    rows = aggregate(recs, ["none", "ptd"], prompts, [2], 2, continuous=True)["rows"]
+    ptd_all = next(x for x in rows if x["method"] == "ptd" and x["dataset"] == "all")
+    assert ptd_all["speedup"]["mean"] == pytest.approx(1.0) and ptd_all["identical"] == 12
+    assert aggregate(recs, ["none", "ptd"], prompts, [2], 2)["rows"][0]["tok_s"]["n"] == 0
     with pytest.raises(SystemExit):
         main(["--batching", "continuous", "--batch-sizes", "4,16", "--methods", "none",
               "--num-prompts", "1"])

@@ -107,9 +107,14 @@ def sum_counters(recs: list[dict]) -> dict:
 
 
 def aggregate(records: list[dict], methods: list[str], prompts: dict[str, list[dict]],
-              batch_sizes: list[int], repeats: int) -> dict:
+              batch_sizes: list[int], repeats: int, continuous: bool = False) -> dict:
+    """Per method, batch size and dataset (and all datasets pooled): tok/s and speedup over
+    ``none`` (mean ± sd over repeats; a repeat counts once all its batches are in: one per
+    dataset with ``continuous`` batching), outputs identical to ``none``'s, step times and
+    speculation metrics."""
     datasets = list(prompts)
-    expected = {(ds, bs): math.ceil(len(prompts[ds]) / bs) for ds in datasets for bs in batch_sizes}
+    expected = {(ds, bs): 1 if continuous else math.ceil(len(prompts[ds]) / bs)
+                for ds in datasets for bs in batch_sizes}
     by: dict[tuple, list[dict]] = {}
     for rec in records:
         by.setdefault((rec["method"], rec["dataset"], rec["batch_size"], rec["repeat"]), []).append(rec)

@@ -81,7 +81,7 @@ def run_benchmark(args, methods: list[Method], datasets: list[str], say=None) ->
         def write(records, partial: bool):
             labels = [m.label for m in methods]
             agg = aggregate(records, [x for x in labels if x in load], prompts,
-                            args.batch_sizes, args.repeats)
+                            args.batch_sizes, args.repeats, args.batching == "continuous")
             meta["elapsed_s"] = time.time() - t_start
             errors = {e.label: e.error for e in engines if e.error}
             fail = {**failed, **{k: f"failed during the run: {v}" for k, v in errors.items()}}
