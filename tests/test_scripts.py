@@ -170,6 +170,34 @@ def test_step_clock_records_the_accepted_nodes_of_its_step():
     assert clock.start_step(rows=2, requests=2)["accepted"] == 0
 
 
+def test_step_clock_leaves_the_engine_waiting_out_of_a_step():
+    """A gap after a step's last timed part as long as ``idle_gap_ms`` is the engine
+    waiting: it goes to ``idle_ms``, not into the step's wall; a short gap is the step's
+    host work. Readers keep such records however long the step (a prefill of several
+    prompts takes over a second), and drop only old records of 1 s or more."""
+    from vllm_ptd.bench.aggregate import busy_steps
+    from vllm_ptd.integration.step_clock import StepClock
+
+    clock = StepClock(idle_gap_ms=50.0)
+    clock.start_step(rows=4, requests=4)
+    time.sleep(0.02)
+    clock.forward_done()
+    with clock.part("drafting"):
+        time.sleep(0.01)
+    time.sleep(0.12)  # the engine waits for its next call
+    waited = clock.start_step(rows=400, requests=4)
+    assert waited["idle_ms"] >= 120.0
+    assert 30.0 <= waited["wall_ms"] < 100.0 and waited["forward_ms"] >= 20.0
+    clock.forward_done()
+    time.sleep(0.01)  # host work after the forward: part of the step
+    busy = clock.start_step(rows=4, requests=4)
+    assert busy["idle_ms"] == 0.0 and busy["wall_ms"] >= 10.0
+    assert clock.totals["wall"] == pytest.approx(waited["wall_ms"] + busy["wall_ms"])
+    long_prefill = {**busy, "wall_ms": 1500.0}
+    old_idle = {k: v for k, v in long_prefill.items() if k != "idle_ms"}
+    assert busy_steps([long_prefill, old_idle]) == [long_prefill]
+
+
 def test_trace_steps_groups_by_batch_and_trees():
     from vllm_ptd.bench.trace_steps import step_groups
 

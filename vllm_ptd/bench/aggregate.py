@@ -60,13 +60,15 @@ def spec_summary(trace: list, counters: dict, gen_tokens: int, requests: int) ->
 
 
 STEP_PARTS = ("forward", "tree_attention", "verify", "drafting", "budget")
-# a step record this long is the engine waiting between calls, not a step's cost
+# traces written before StepClock split off ``idle_ms``: a step record this long is taken
+# for the engine waiting between calls (real prefill steps of several prompts go with it)
 IDLE_STEP_MS = 1000.0
 
 
 def busy_steps(steps) -> list[dict]:
-    """The step records of an engine at work (idle gaps left out)."""
-    return [s for s in steps if s.get("wall_ms", 0) < IDLE_STEP_MS]
+    """The step records of an engine at work. A record with ``idle_ms`` has the wait
+    already left out of its wall; an older one of ``IDLE_STEP_MS`` or more is dropped."""
+    return [s for s in steps if "idle_ms" in s or s.get("wall_ms", 0) < IDLE_STEP_MS]
 
 
 def step_time_summary(steps: list[dict]) -> dict | None:

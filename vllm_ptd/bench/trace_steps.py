@@ -1,6 +1,6 @@
 """Steps of a proposer trace grouped by how many requests they ran and whether any carried a
 tree: mean rows, wall, forward, verification and host ms (``VLLM_PTD_TRACE`` step records;
-steps of 1 s or more are the engine waiting and left out); and how the budget's estimates
+the engine's waits between calls left out, ``aggregate.busy_steps``); and how the budget's estimates
 came out on its decode-only tree steps, and what decoding gained over the engine's own plain
 steps with drafting counted (``budget_outcomes``, ``decode_speedup``).
 
@@ -14,7 +14,7 @@ import gzip
 import json
 from collections import defaultdict
 
-from vllm_ptd.bench.aggregate import IDLE_STEP_MS, busy_steps
+from vllm_ptd.bench.aggregate import busy_steps
 
 
 def step_groups(lines, requests: int | None = None) -> dict[tuple[int, bool], dict]:
@@ -46,7 +46,7 @@ def decode_only_step(s: dict, min_requests: int = 1) -> bool:
     """An engine step at work that ran only decoding requests (each its root and tree
     nodes), at least ``min_requests`` of them."""
     r = s.get("requests")
-    return r is not None and r >= min_requests and s["wall_ms"] < IDLE_STEP_MS \
+    return r is not None and r >= min_requests and bool(busy_steps([s])) \
         and s["rows"] == r + s.get("nodes", 0)
 
 

@@ -33,7 +33,7 @@ import torch
 
 from vllm_ptd.budget import StepCostModel, TreeBudget, makespan_weights
 from vllm_ptd.integration.kv_stash import bind_tree_attention
-from vllm_ptd.integration.step_clock import StepClock
+from vllm_ptd.integration.step_clock import IDLE_GAP_MS, StepClock
 from vllm_ptd.integration.step import StepChannel, TreeStep, build_step
 from vllm_ptd.method import BuildContext, StepOutcome, TreeMethod
 from vllm_ptd.methods import find_method
@@ -46,7 +46,6 @@ logger = logging.getLogger("vllm_ptd")
 GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 LOG_EVERY_STEPS = 500
 SAVE_COST_EVERY_STEPS = 256
-IDLE_GAP_MS = 1000.0  # a longer gap between steps is the engine waiting, not step overhead
 # cost of one more row relative to a one-row step, before anything is measured
 PRIOR_ROW_SLOPE = {"cpu": 0.15, "cuda": 0.01}
 
@@ -343,8 +342,8 @@ class TreeProposer:
 
     def _time_step(self, rows: int, requests: int) -> None:
         """Close the last step's clock: its forward time and overhead are the cost model's
-        samples (a gap longer than ``IDLE_GAP_MS`` is the engine idling, not overhead), and
-        with ``VLLM_PTD_TRACE`` its record goes to the trace."""
+        samples (a step followed by the engine waiting has no overhead sample: its host work
+        went into ``idle_ms``), and with ``VLLM_PTD_TRACE`` its record goes to the trace."""
         record = self.clock.start_step(rows, requests)
         if record is None:
             return
@@ -352,7 +351,8 @@ class TreeProposer:
             # drafting is charged by the budget where it is known, not as step overhead
             overhead = record["wall_ms"] - record["forward_ms"] - record["drafting_ms"]
             self.budget.observe_step(record["rows"], record["forward_ms"],
-                                     overhead if overhead < IDLE_GAP_MS else None,
+                                     None if record["idle_ms"] > 0 or overhead >= IDLE_GAP_MS
+                                     else overhead,
                                      record["trees"], record["requests"], record["nodes"],
                                      record["predicted_ms"],
                                      record["wall_ms"] - record["drafting_ms"])

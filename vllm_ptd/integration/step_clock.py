@@ -7,6 +7,13 @@ rows, inside ``forward``), ``verify`` (tree walks and K/V moves), ``drafting`` (
 ``observe`` and ``propose``) and ``budget`` (sizing the trees); the rest of ``wall`` is vLLM's
 own host work (scheduling, sampling, bookkeeping). Host clocks: on a GPU, ``forward`` is
 where the host waited for the device.
+
+Between the last timed part of a step and the end of the next ``_prepare_inputs`` an
+engine does its host work, a few milliseconds, or waits for requests. A gap there of
+``IDLE_GAP_MS`` or more is the engine waiting: the closed step's record leaves it out of
+``wall_ms`` and gives it as ``idle_ms``, so that a record's wall is the step's own time
+(before ``idle_ms`` existed, readers dropped every record of 1 s or more, real prefill
+steps of several prompts among them).
 """
 from __future__ import annotations
 
@@ -14,11 +21,14 @@ import contextlib
 import time
 
 PARTS = ("forward", "tree_attention", "verify", "drafting", "budget")
+IDLE_GAP_MS = 200.0  # host work between two steps takes milliseconds; longer is waiting
 
 
 class StepClock:
-    def __init__(self) -> None:
+    def __init__(self, idle_gap_ms: float = IDLE_GAP_MS) -> None:
+        self.idle_gap_ms = idle_gap_ms
         self._start: float | None = None
+        self._last_mark: float | None = None  # end of the step's last timed part
         self._rows = 0
         self._requests = 0
         self._trees = 0
@@ -32,14 +42,20 @@ class StepClock:
         """Close the step in flight and start the next one (``rows``: its scheduled tokens,
         ``requests``: the requests it runs). Returns the closed step's record: rows,
         requests, trees (requests that carried one), nodes (theirs), accepted (their nodes
-        accepted), wall_ms, predicted_ms (the budget's estimate of wall less drafting, 0
-        without one) and one ``<part>_ms`` per part."""
+        accepted), wall_ms, idle_ms (the engine's wait before the next step, left out of
+        wall_ms), predicted_ms (the budget's estimate of wall less drafting, 0 without one)
+        and one ``<part>_ms`` per part."""
         now = time.perf_counter()
         record = None
         if self._start is not None:
+            idle_ms = 0.0
+            if self._last_mark is not None:
+                gap_ms = 1000 * (now - self._last_mark)
+                if gap_ms >= self.idle_gap_ms:
+                    idle_ms = gap_ms
             record = {"rows": self._rows, "requests": self._requests, "trees": self._trees,
                       "nodes": self._nodes, "accepted": self._accepted,
-                      "wall_ms": 1000 * (now - self._start),
+                      "wall_ms": 1000 * (now - self._start) - idle_ms, "idle_ms": idle_ms,
                       "predicted_ms": self._predicted,
                       **{f"{k}_ms": v for k, v in self._parts.items()}}
             self.totals["steps"] += 1
@@ -47,6 +63,7 @@ class StepClock:
             for k, v in self._parts.items():
                 self.totals[k] += v
         self._start, self._rows, self._requests, self._trees = now, rows, requests, 0
+        self._last_mark = None
         self._nodes, self._predicted, self._accepted = 0, 0.0, 0
         self._parts = dict.fromkeys(PARTS, 0.0)
         return record
@@ -62,7 +79,8 @@ class StepClock:
 
     def forward_done(self) -> None:
         if self._start is not None and self._parts["forward"] == 0.0:
-            self._parts["forward"] = 1000 * (time.perf_counter() - self._start)
+            self._last_mark = time.perf_counter()
+            self._parts["forward"] = 1000 * (self._last_mark - self._start)
 
     def add(self, part: str, ms: float) -> None:
         self._parts[part] += ms
@@ -73,7 +91,8 @@ class StepClock:
         try:
             yield
         finally:
-            self._parts[name] += 1000 * (time.perf_counter() - t0)
+            self._last_mark = time.perf_counter()
+            self._parts[name] += 1000 * (self._last_mark - t0)
 
     def summary(self) -> str:
         n = max(1.0, self.totals["steps"])
