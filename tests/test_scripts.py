@@ -187,7 +187,7 @@ def test_step_clock_leaves_the_engine_waiting_out_of_a_step():
     time.sleep(0.12)  # the engine waits for its next call
     waited = clock.start_step(rows=400, requests=4)
     assert waited["idle_ms"] >= 120.0
-    assert 30.0 <= waited["wall_ms"] < 100.0 and waited["forward_ms"] >= 20.0
+    assert 30.0 <= waited["wall_ms"] < 120.0 and waited["forward_ms"] >= 20.0
     clock.forward_done()
     time.sleep(0.01)  # host work after the forward: part of the step
     busy = clock.start_step(rows=4, requests=4)

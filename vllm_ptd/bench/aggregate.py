@@ -5,6 +5,7 @@ import math
 import statistics
 
 from vllm_ptd.bench.engines import COUNTERS
+from vllm_ptd.bench.interleave import prompts_per_call
 
 
 ALL = "all"
@@ -65,10 +66,15 @@ STEP_PARTS = ("forward", "tree_attention", "verify", "drafting", "budget")
 IDLE_STEP_MS = 1000.0
 
 
+def is_busy(step: dict) -> bool:
+    """Whether a step record is the engine at work. A record with ``idle_ms`` has the wait
+    already left out of its wall; an older one of ``IDLE_STEP_MS`` or more is the wait."""
+    return "idle_ms" in step or step.get("wall_ms", 0) < IDLE_STEP_MS
+
+
 def busy_steps(steps) -> list[dict]:
-    """The step records of an engine at work. A record with ``idle_ms`` has the wait
-    already left out of its wall; an older one of ``IDLE_STEP_MS`` or more is dropped."""
-    return [s for s in steps if "idle_ms" in s or s.get("wall_ms", 0) < IDLE_STEP_MS]
+    """The step records of an engine at work (``is_busy``)."""
+    return [s for s in steps if is_busy(s)]
 
 
 def step_time_summary(steps: list[dict]) -> dict | None:
@@ -115,7 +121,8 @@ def aggregate(records: list[dict], methods: list[str], prompts: dict[str, list[d
     dataset with ``continuous`` batching), outputs identical to ``none``'s, step times and
     speculation metrics."""
     datasets = list(prompts)
-    expected = {(ds, bs): 1 if continuous else math.ceil(len(prompts[ds]) / bs)
+    expected = {(ds, bs): math.ceil(len(prompts[ds]) / prompts_per_call(len(prompts[ds]), bs,
+                                                                        continuous))
                 for ds in datasets for bs in batch_sizes}
     by: dict[tuple, list[dict]] = {}
     for rec in records:

@@ -6,6 +6,12 @@ import time
 from vllm_ptd.bench.engines import Engine, EngineFailed
 
 
+def prompts_per_call(num_prompts: int, batch_size: int, continuous: bool) -> int:
+    """Prompts one generate call carries: a closed batch of ``batch_size``, or with
+    ``continuous`` batching all of a dataset's ``num_prompts``."""
+    return max(1, num_prompts) if continuous else batch_size
+
+
 def run_interleaved(engines: list[Engine], prompts: dict[str, list[dict]], batch_sizes: list[int],
                     repeats: int, max_tokens: int, settle: float, warmup: bool,
                     progress: bool = True, on_repeat_done=None, say=print,
@@ -31,7 +37,7 @@ def run_interleaved(engines: list[Engine], prompts: dict[str, list[dict]], batch
     for r in range(repeats):
         for ds, items in prompts.items():
             for bs in batch_sizes:
-                step = len(items) if continuous else bs
+                step = prompts_per_call(len(items), bs, continuous)
                 for ci, start in enumerate(range(0, len(items), step)):
                     work.append((r, ds, bs, ci, list(range(start, min(start + step, len(items))))))
     live = list(engines)

@@ -14,7 +14,7 @@ import gzip
 import json
 from collections import defaultdict
 
-from vllm_ptd.bench.aggregate import busy_steps
+from vllm_ptd.bench.aggregate import busy_steps, is_busy
 
 
 def step_groups(lines, requests: int | None = None) -> dict[tuple[int, bool], dict]:
@@ -46,7 +46,7 @@ def decode_only_step(s: dict, min_requests: int = 1) -> bool:
     """An engine step at work that ran only decoding requests (each its root and tree
     nodes), at least ``min_requests`` of them."""
     r = s.get("requests")
-    return r is not None and r >= min_requests and bool(busy_steps([s])) \
+    return r is not None and r >= min_requests and is_busy(s) \
         and s["rows"] == r + s.get("nodes", 0)
 
 

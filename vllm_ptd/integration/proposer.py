@@ -33,7 +33,7 @@ import torch
 
 from vllm_ptd.budget import StepCostModel, TreeBudget, makespan_weights
 from vllm_ptd.integration.kv_stash import bind_tree_attention
-from vllm_ptd.integration.step_clock import IDLE_GAP_MS, StepClock
+from vllm_ptd.integration.step_clock import StepClock
 from vllm_ptd.integration.step import StepChannel, TreeStep, build_step
 from vllm_ptd.method import BuildContext, StepOutcome, TreeMethod
 from vllm_ptd.methods import find_method
@@ -351,8 +351,7 @@ class TreeProposer:
             # drafting is charged by the budget where it is known, not as step overhead
             overhead = record["wall_ms"] - record["forward_ms"] - record["drafting_ms"]
             self.budget.observe_step(record["rows"], record["forward_ms"],
-                                     None if record["idle_ms"] > 0 or overhead >= IDLE_GAP_MS
-                                     else overhead,
+                                     None if record["idle_ms"] > 0 else overhead,
                                      record["trees"], record["requests"], record["nodes"],
                                      record["predicted_ms"],
                                      record["wall_ms"] - record["drafting_ms"])
