@@ -167,19 +167,30 @@ def test_contexts_appended_together_equal_contexts_appended_one_by_one():
             torch.testing.assert_close(t.v[layer][:, : t.length], a.v[layer][:, : a.length])
 
 
-def test_batched_block_equals_single():
+def test_batched_block_equals_single_and_training_layout():
+    """A batch of requests with contexts of different lengths, drafted between appends (each
+    block's K/V go into the rows after its context, which the next append overwrites), gives
+    each request the block that its context alone gives and that the training layout (all
+    rows at once, padded and masked) gives."""
     dr = make_drafter()
-    lens = [3, 11, 7]
-    ctxs = []
+    lens, more, roots = [3, 11, 7], [2, 1, 4], [4, 9, 17]
+    ctxs, all_rows = [], []
     for i, n in enumerate(lens):
         c = dr.new_context()
-        dr.append_context(c, rows(n, 10 + i), 0)
+        all_rows.append(rows(n + more[i], 10 + i))
+        dr.append_context(c, all_rows[i][:n], 0)
         ctxs.append(c)
-    U, h = dr.draft_block(ctxs, [4, 9, 17])
+    dr.draft_block(ctxs, [1, 2, 3])
+    for c, r, n in zip(ctxs, all_rows, lens):
+        dr.append_context(c, r[n:])
+    U, h = dr.draft_block(ctxs, roots)
     for i, c in enumerate(ctxs):
-        u1, h1 = dr.draft_block(c, [4, 9, 17][i])
+        u1, h1 = dr.draft_block(c, roots[i])
         torch.testing.assert_close(U[i], u1, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(h[i], h1, rtol=1e-4, atol=1e-4)
+        u2, h2 = block_from_scratch(dr, all_rows[i], roots[i], c.length)
+        torch.testing.assert_close(h[i], h2, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(U[i], u2, rtol=1e-4, atol=1e-3)
 
 
 def test_context_window_bounds_state():
