@@ -1,21 +1,31 @@
 #!/usr/bin/env python
 """What PCTree's drafter costs per step on this machine, apart from any engine: the block
-(backbone and output projection over the block) and the tree expansion, for one request
-with a context of random target rows, in torch's GEMM and in vLLM's prepacked CPU GEMM
-(fp32 and bf16), over the drafter's draft vocabulary and over all words. Prints ms per call
-(mean of --calls after two warm-up calls).
+(backbone and output projection over the block) and the tree expansion, for --requests
+requests drafting together with contexts of random target rows, in torch's GEMM and in
+vLLM's prepacked CPU GEMM (fp32 and bf16), over the drafter's draft vocabulary and over all
+words. Prints the median ms per call over --calls calls (after two warm-up calls).
 
-  python scripts/bench_drafter.py [--context 300] [--calls 20] [--draft-vocab 0,8192]
+In an engine the target's forward runs between two drafting calls and leaves none of the
+drafter's weights in the caches; ``--cold-mib N`` writes an N MiB buffer before every timed
+call to do the same (600 MiB: about what SmolLM2-135M's fp32 forward reads).
+
+  python scripts/bench_drafter.py [--context 300] [--requests 1,4] [--cold-mib 0,600]
+      [--calls 20] [--draft-vocab 0,default]
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--context", type=int, default=300, help="context rows of the request")
+    ap.add_argument("--context", type=int, default=300,
+                    help="context rows of the first request (each next one 20 more)")
+    ap.add_argument("--requests", default="1", help="comma-separated numbers of requests drafting together")
+    ap.add_argument("--cold-mib", default="0",
+                    help="comma-separated sizes of the buffer written before each timed call (0: warm caches)")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--draft-vocab", default="0,default",
                     help="draft-vocabulary sizes (speculative_config['draft_vocab']; 0: all words, "
@@ -30,39 +40,52 @@ def main() -> int:
     from vllm_ptd.pctree.expand import expand_trees
     from vllm_ptd.pctree.method import PCTreeMethod
 
-    def ms(fn) -> float:
+    def ms(fn, sweep: torch.Tensor | None) -> float:
         fn(), fn()
-        t0 = time.perf_counter()
+        times = []
         for _ in range(args.calls):
+            if sweep is not None:
+                sweep.fill_(1.0)
+            t0 = time.perf_counter()
             fn()
-        return 1000 * (time.perf_counter() - t0) / args.calls
+            times.append(1000 * (time.perf_counter() - t0))
+        return statistics.median(times)
 
     target = ensure_default_model()
     kernel = engine_linear_kernel(torch.device("cpu"))
     variants = [("torch", None, torch.float32), ("vLLM oneDNN", kernel, torch.float32),
                 ("vLLM oneDNN", kernel, torch.bfloat16)]
     sizes = [None if v.strip() == "default" else int(v) for v in args.draft_vocab.split(",")]
-    print(f"torch threads {torch.get_num_threads()}; context {args.context} rows\n")
-    print("| GEMM | dtype | draft vocabulary | block ms | expansion ms | total ms |")
-    print("|---|---|---|---|---|---|")
+    counts = [int(v) for v in args.requests.split(",")]
+    colds = [int(v) for v in args.cold_mib.split(",")]
+    print(f"torch threads {torch.get_num_threads()}; context {args.context} rows (+20 per request)\n")
+    print("| GEMM | dtype | draft vocabulary | requests | caches | block ms | expansion ms | total ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for (name, make, dtype), size in ((v, s) for v in variants for s in sizes):
         if make is None and name != "torch":
-            print(f"| {name} | {dtype} | — | — | — | not available |")
+            print(f"| {name} | {dtype} | — | — | — | — | — | not available |")
             continue
         m = PCTreeMethod(PCTreeConfig(draft_vocab=size), target, dtype=dtype, linear_kernel=make)
         d, c = m.drafter, m.config
-        ctx = d.new_context(4096)
-        d.append_context(ctx, torch.randn(args.context, d.context_dim,
-                                          generator=torch.Generator().manual_seed(0)), 0)
-        with torch.no_grad():
-            U, h = d.draft_block([ctx], [5])
-            block = ms(lambda: d.draft_block([ctx], [5]))
-            expand = ms(lambda: expand_trees(U, [5], markov=d.markov_head, hidden=h,
-                                             k=c.branching, max_nodes=c.max_nodes,
-                                             depth=c.depth, mode=c.mode, vocab_ids=d.draft_vocab))
-        words = U.shape[-1]
-        print(f"| {name} | {str(dtype).replace('torch.', '')} | {words} | {block:.1f} | "
-              f"{expand:.1f} | {block + expand:.1f} |")
+        gen = torch.Generator().manual_seed(0)
+        for n, cold in ((n, cold) for n in counts for cold in colds):
+            ctxs = []
+            for i in range(n):
+                ctx = d.new_context(4096)
+                d.append_context(ctx, torch.randn(args.context + 20 * i, d.context_dim, generator=gen), 0)
+                ctxs.append(ctx)
+            roots = [5 + i for i in range(n)]
+            sweep = torch.empty(cold * 2 ** 20 // 4) if cold else None
+            with torch.no_grad():
+                U, h = d.draft_block(ctxs, roots)
+                block = ms(lambda: d.draft_block(ctxs, roots), sweep)
+                expand = ms(lambda: expand_trees(U, roots, markov=d.markov_head, hidden=h,
+                                                 k=c.branching, max_nodes=c.max_nodes,
+                                                 depth=c.depth, mode=c.mode,
+                                                 vocab_ids=d.draft_vocab), sweep)
+            caches = f"cold ({cold} MiB written)" if cold else "warm"
+            print(f"| {name} | {str(dtype).replace('torch.', '')} | {U.shape[-1]} | {n} | {caches} | "
+                  f"{block:.1f} | {expand:.1f} | {block + expand:.1f} |")
     return 0
 
 

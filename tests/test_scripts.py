@@ -219,6 +219,24 @@ def test_trace_steps_groups_by_batch_and_trees():
     assert set(step_groups(lines, requests=1)) == {(1, False)}
 
 
+def test_trace_tries_count_proposals_and_whether_trees_followed():
+    from vllm_ptd.bench.trace_steps import drafting_tries
+
+    step = lambda **k: json.dumps({"step": {"nodes": 0, **k}})  # noqa: E731
+    lines = [step(requests=4, trees=0, drafting_ms=9.0),   # a proposal: trees next step
+             step(requests=4, trees=3, drafting_ms=0.02),  # upkeep only
+             step(requests=4, trees=0, drafting_ms=11.0),  # a proposal: no tree next step
+             step(requests=4, trees=0, drafting_ms=12.0),
+             json.dumps({"req": "a", "nodes": 3}),
+             step(requests=1, trees=0, drafting_ms=5.0),
+             step(requests=1, trees=1, drafting_ms=4.0)]   # the last step: nothing follows
+    t = drafting_tries(lines)
+    assert set(t) == {4, 1}
+    assert (t[4]["tries"], t[4]["followed_by_trees"], t[4]["median_ms"]) == (3, 1, 11.0)
+    assert t[4]["total_s"] == pytest.approx(0.032)
+    assert (t[1]["tries"], t[1]["followed_by_trees"], t[1]["median_ms"]) == (1, 1, 5.0)
+
+
 def test_trace_outcomes_set_the_budget_against_what_its_tree_steps_did():
     from vllm_ptd.bench.trace_steps import budget_outcomes
 

@@ -6,6 +6,7 @@ steps with drafting counted (``budget_outcomes``, ``decode_speedup``).
 
   python -m vllm_ptd.bench.trace_steps results/bs4_16/traces/ptd.jsonl [--requests 16]
   python -m vllm_ptd.bench.trace_steps results/serving/traces/ptd.jsonl --outcomes --min-requests 4
+  python -m vllm_ptd.bench.trace_steps results/bs4/traces/pctree.jsonl --tries
 """
 from __future__ import annotations
 
@@ -132,6 +133,27 @@ def budget_outcomes(lines, min_requests: int = 1) -> dict:
     return out
 
 
+def drafting_tries(lines, min_ms: float = 1.0) -> dict[int, dict]:
+    """The method's proposals, per number of requests of the step that made them: steps
+    whose drafting took at least ``min_ms`` (a proposal; what a method does on a step
+    without one, e.g. PCTree queueing the step's rows, takes hundredths of a millisecond),
+    ``{requests: {"tries", "followed_by_trees", "median_ms", "total_s"}}`` (a proposal's
+    trees go out with the next step; its drafting is timed in the step that made it)."""
+    records = [json.loads(line)["step"] for line in lines if line.startswith('{"step"')]
+    found: dict[int, list[tuple[float, bool]]] = defaultdict(list)
+    for s, nxt in zip(records, records[1:]):
+        if s.get("drafting_ms", 0.0) >= min_ms and "requests" in s:
+            found[s["requests"]].append((s["drafting_ms"], nxt["trees"] > 0))
+    out = {}
+    for req, tries in sorted(found.items()):
+        ms = sorted(t for t, _ in tries)
+        mid = len(ms) // 2
+        out[req] = {"tries": len(tries), "followed_by_trees": sum(ok for _, ok in tries),
+                    "median_ms": ms[mid] if len(ms) % 2 else (ms[mid - 1] + ms[mid]) / 2,
+                    "total_s": sum(ms) / 1000}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", help="a VLLM_PTD_TRACE file (.jsonl or .jsonl.gz)")
@@ -140,8 +162,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="the budget's estimates against what its tree steps did")
     ap.add_argument("--min-requests", type=int, default=1,
                     help="with --outcomes: only steps of at least this many requests")
+    ap.add_argument("--tries", action="store_true",
+                    help="the method's proposals (steps with 1 ms or more of drafting) per batch size")
     args = ap.parse_args(argv)
     opener = gzip.open if args.trace.endswith(".gz") else open
+    if args.tries:
+        with opener(args.trace, "rt") as f:
+            tries = drafting_tries(f)
+        print("| requests | proposals | followed by trees | median ms | total s |")
+        print("|---|---|---|---|---|")
+        for req, t in tries.items():
+            print(f"| {req} | {t['tries']} | {t['followed_by_trees']} | {t['median_ms']:.1f} | "
+                  f"{t['total_s']:.1f} |")
+        return 0
     if args.outcomes:
         with opener(args.trace, "rt") as f:
             print(json.dumps(budget_outcomes(f, args.min_requests), indent=1))
