@@ -81,7 +81,7 @@ def step_time_summary(steps: list[dict]) -> dict | None:
     """Mean milliseconds per engine step of each part the tree proposer times
     (``vllm_ptd.integration.step_clock``), and ``other`` = wall minus the timed parts
     (vLLM's scheduling, sampling and bookkeeping); ``forward`` includes ``tree_attention``.
-    Steps longer than 1 s (the engine idling between calls) are left out."""
+    The engine's waits between calls are left out (``busy_steps``)."""
     steps = busy_steps(steps)
     if not steps:
         return None
