@@ -138,7 +138,8 @@ def drafting_tries(lines, min_ms: float = 1.0) -> dict[int, dict]:
     whose drafting took at least ``min_ms`` (a proposal; what a method does on a step
     without one, e.g. PCTree queueing the step's rows, takes hundredths of a millisecond),
     ``{requests: {"tries", "followed_by_trees", "median_ms", "total_s"}}`` (a proposal's
-    trees go out with the next step; its drafting is timed in the step that made it)."""
+    trees go out with the next step; its drafting is timed in the step that made it). For
+    PTD, whose upkeep at many requests takes as long as a proposal, the count is looser."""
     records = [json.loads(line)["step"] for line in lines if line.startswith('{"step"')]
     found: dict[int, list[tuple[float, bool]]] = defaultdict(list)
     for s, nxt in zip(records, records[1:]):
