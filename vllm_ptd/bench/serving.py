@@ -299,10 +299,10 @@ def _dist(xs: list[float]) -> dict:
 
 def engine_time(rounds_steps: list[list[dict]], clients: int) -> dict | None:
     """What the engine did per round, from the proposer's step clock (traced methods only):
-    seconds of steps (the engine's waits between steps left out: ``aggregate.busy_steps``), of forward,
-    verification and drafting, and how many steps ran with fewer rows than there are clients
-    (a client between two requests, or the round's tail: throughput lost to occupancy,
-    not to the step's own cost); ``decode_speedup``: decoding against the engine's own plain
+    seconds of steps (the engine's waits between steps left out: ``aggregate.busy_steps``),
+    of forward, verification and drafting, and how many steps ran with fewer rows than
+    there are clients (a client between two requests, or the round's tail: throughput lost
+    to occupancy, not to the step's own cost); ``decode_speedup``: decoding against the engine's own plain
     steps, drafting counted (``trace_steps.decode_speedup``; None without plain decode steps
     or from servers whose step records lack ``accepted``). Prefill steps are the same with or
     without trees, and a machine that slows for a round or two moves both sides of it."""
@@ -406,10 +406,10 @@ def report(rows: list[dict], meta: dict, failed: dict) -> str:
     engine = [r for r in rows if r.get("engine")]
     if engine:
         L += ["", "Engine time per round, from the tree proposer's step clock (traced methods; "
-              "the engine's waits between steps left out): *busy* = the steps' wall time, *short steps* = steps with fewer "
-              "rows than clients (a client between requests, or the round's tail), *decode "
-              "x* = decoding's speedup over the same engine's plain decode steps, drafting "
-              "counted (prefill steps left out).", "",
+              "the engine's waits between steps left out): *busy* = the steps' wall time, "
+              "*short steps* = steps with fewer rows than clients (a client between requests, "
+              "or the round's tail), *decode x* = decoding's speedup over the same engine's "
+              "plain decode steps, drafting counted (prefill steps left out).", "",
               "| clients | method | busy s | forward s | verification s | drafting s | steps | "
               "with trees | short steps (s) | decode x |",
               "|---|---|---|---|---|---|---|---|---|---|"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import statistics
 from collections import defaultdict
 
 from vllm_ptd.bench.aggregate import busy_steps, is_busy
@@ -145,14 +146,10 @@ def drafting_tries(lines, min_ms: float = 1.0) -> dict[int, dict]:
     for s, nxt in zip(records, records[1:]):
         if s.get("drafting_ms", 0.0) >= min_ms and "requests" in s:
             found[s["requests"]].append((s["drafting_ms"], nxt["trees"] > 0))
-    out = {}
-    for req, tries in sorted(found.items()):
-        ms = sorted(t for t, _ in tries)
-        mid = len(ms) // 2
-        out[req] = {"tries": len(tries), "followed_by_trees": sum(ok for _, ok in tries),
-                    "median_ms": ms[mid] if len(ms) % 2 else (ms[mid - 1] + ms[mid]) / 2,
-                    "total_s": sum(ms) / 1000}
-    return out
+    return {req: {"tries": len(tries), "followed_by_trees": sum(ok for _, ok in tries),
+                  "median_ms": statistics.median(ms for ms, _ in tries),
+                  "total_s": sum(ms for ms, _ in tries) / 1000}
+            for req, tries in sorted(found.items())}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-requests", type=int, default=1,
                     help="with --outcomes: only steps of at least this many requests")
     ap.add_argument("--tries", action="store_true",
-                    help="the method's proposals (steps with 1 ms or more of drafting) per batch size")
+                    help="the method's proposals (steps with 1 ms or more of drafting) per "
+                         "batch size")
     args = ap.parse_args(argv)
     opener = gzip.open if args.trace.endswith(".gz") else open
     if args.tries:
