@@ -388,7 +388,7 @@ class PaddedContextKV:
 class RequestContextKV:
     """One layer's context K/V where each request keeps them (inference): ``k[j]``/``v[j]``
     ``[n_kv, capacity, hd]`` are request j's :class:`DraftContext` buffers, ``lengths[j]``
-    rows valid, with room for the block after them (:meth:`DraftContext.reserve_block`).
+    rows valid, with room for the block after them (:meth:`DraftContext.reserve`).
     Why not one padded tensor: copying every request's context into it, then the block
     after it, costs more than the per-request attention calls this makes (measured in one
     process, the two ways interleaved, bf16, contexts of 200-500 rows: a block of 4
@@ -504,12 +504,9 @@ class DraftContext:
     def capacity(self) -> int:
         return self.k[0].shape[1]
 
-    def reserve_block(self, n: int) -> None:
-        """Room for ``n`` rows after the context (:class:`RequestContextKV` writes a block's
-        K/V there), beyond the window too."""
-        self._reserve(n)
-
-    def _reserve(self, n: int) -> None:
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` rows after the context: rows to append, or a block's K/V
+        (:class:`RequestContextKV` writes them there as scratch rows), beyond the window too."""
         need = self.length + n
         if need <= self.capacity:
             return
@@ -537,7 +534,7 @@ class DraftContext:
                 ks = [k[:, -self.max_rows:] for k in ks]
                 vs = [v[:, -self.max_rows:] for v in vs]
                 t = self.max_rows
-        self._reserve(t)
+        self.reserve(t)
         for i in range(len(ks)):
             self.k[i][:, self.length: self.length + t] = ks[i]
             self.v[i][:, self.length: self.length + t] = vs[i]
@@ -804,7 +801,7 @@ class DSparkDrafter(nn.Module):
         block_ids[:, 0] = toks
         block_pos = pos0.unsqueeze(1) + torch.arange(B).unsqueeze(0)
         for c in ctx_list:
-            c.reserve_block(B)
+            c.reserve(B)
         lengths = [c.length for c in ctx_list]
         contexts = [RequestContextKV([c.k[li] for c in ctx_list], [c.v[li] for c in ctx_list], lengths)
                     for li in range(self.config.num_hidden_layers)]
