@@ -23,9 +23,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--context", type=int, default=300,
                     help="context rows of the first request (each next one 20 more)")
-    ap.add_argument("--requests", default="1", help="comma-separated numbers of requests drafting together")
+    ap.add_argument("--requests", default="1",
+                    help="comma-separated numbers of requests drafting together")
     ap.add_argument("--cold-mib", default="0",
-                    help="comma-separated sizes of the buffer written before each timed call (0: warm caches)")
+                    help="comma-separated sizes of the buffer written before each timed call "
+                         "(0: warm caches)")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--draft-vocab", default="0,default",
                     help="draft-vocabulary sizes (speculative_config['draft_vocab']; 0: all words, "
@@ -59,7 +61,8 @@ def main() -> int:
     counts = [int(v) for v in args.requests.split(",")]
     colds = [int(v) for v in args.cold_mib.split(",")]
     print(f"torch threads {torch.get_num_threads()}; context {args.context} rows (+20 per request)\n")
-    print("| GEMM | dtype | draft vocabulary | requests | caches | block ms | expansion ms | total ms |")
+    print("| GEMM | dtype | draft vocabulary | requests | caches | block ms | expansion ms | "
+          "total ms |")
     print("|---|---|---|---|---|---|---|---|")
     for (name, make, dtype), size in ((v, s) for v in variants for s in sizes):
         if make is None and name != "torch":
@@ -72,7 +75,8 @@ def main() -> int:
             ctxs = []
             for i in range(n):
                 ctx = d.new_context(4096)
-                d.append_context(ctx, torch.randn(args.context + 20 * i, d.context_dim, generator=gen), 0)
+                rows = torch.randn(args.context + 20 * i, d.context_dim, generator=gen)
+                d.append_context(ctx, rows, 0)
                 ctxs.append(ctx)
             roots = [5 + i for i in range(n)]
             sweep = torch.empty(cold * 2 ** 20 // 4) if cold else None
@@ -84,8 +88,8 @@ def main() -> int:
                                                  depth=c.depth, mode=c.mode,
                                                  vocab_ids=d.draft_vocab), sweep)
             caches = f"cold ({cold} MiB written)" if cold else "warm"
-            print(f"| {name} | {str(dtype).replace('torch.', '')} | {U.shape[-1]} | {n} | {caches} | "
-                  f"{block:.1f} | {expand:.1f} | {block + expand:.1f} |")
+            print(f"| {name} | {str(dtype).replace('torch.', '')} | {U.shape[-1]} | {n} | "
+                  f"{caches} | {block:.1f} | {expand:.1f} | {block + expand:.1f} |")
     return 0
 
 

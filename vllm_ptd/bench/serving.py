@@ -302,10 +302,11 @@ def engine_time(rounds_steps: list[list[dict]], clients: int) -> dict | None:
     seconds of steps (the engine's waits between steps left out: ``aggregate.busy_steps``),
     of forward, verification and drafting, and how many steps ran with fewer rows than
     there are clients (a client between two requests, or the round's tail: throughput lost
-    to occupancy, not to the step's own cost); ``decode_speedup``: decoding against the engine's own plain
-    steps, drafting counted (``trace_steps.decode_speedup``; None without plain decode steps
-    or from servers whose step records lack ``accepted``). Prefill steps are the same with or
-    without trees, and a machine that slows for a round or two moves both sides of it."""
+    to occupancy, not to the step's own cost); ``decode_speedup``: decoding against the
+    engine's own plain steps, drafting counted (``trace_steps.decode_speedup``; None without
+    plain decode steps or from servers whose step records lack ``accepted``). Prefill steps
+    are the same with or without trees, and a machine that slows for a round or two moves
+    both sides of it."""
     if not any(rounds_steps):
         return None
     n = len(rounds_steps)

@@ -19,12 +19,17 @@ from collections import defaultdict
 from vllm_ptd.bench.aggregate import busy_steps, is_busy
 
 
+def step_records(lines) -> list[dict]:
+    """The step records of a trace's lines (request records left out)."""
+    return [json.loads(line)["step"] for line in lines if line.startswith('{"step"')]
+
+
 def step_groups(lines, requests: int | None = None) -> dict[tuple[int, bool], dict]:
     """``{(requests, with trees): {"steps", "rows", "wall", "forward", "verify", "host",
     "busy_s", "accepted"}}``: means per step, but for busy_s (the group's summed wall, in
     seconds) and accepted (its accepted nodes, summed); host = wall - forward - drafting
     (vLLM's and the proposer's host work)."""
-    records = [json.loads(line)["step"] for line in lines if line.startswith('{"step"')]
+    records = step_records(lines)
     groups: dict[tuple[int, bool], list[dict]] = defaultdict(list)
     for s in busy_steps(records):
         if "requests" in s and requests in (None, s["requests"]):
@@ -141,7 +146,7 @@ def drafting_tries(lines, min_ms: float = 1.0) -> dict[int, dict]:
     ``{requests: {"tries", "followed_by_trees", "median_ms", "total_s"}}`` (a proposal's
     trees go out with the next step; its drafting is timed in the step that made it). For
     PTD, whose upkeep at many requests takes as long as a proposal, the count is looser."""
-    records = [json.loads(line)["step"] for line in lines if line.startswith('{"step"')]
+    records = step_records(lines)
     found: dict[int, list[tuple[float, bool]]] = defaultdict(list)
     for s, nxt in zip(records, records[1:]):
         if s.get("drafting_ms", 0.0) >= min_ms and "requests" in s:
@@ -165,9 +170,10 @@ def main(argv: list[str] | None = None) -> int:
                          "batch size")
     args = ap.parse_args(argv)
     opener = gzip.open if args.trace.endswith(".gz") else open
+    with opener(args.trace, "rt") as f:
+        lines = f.readlines()
     if args.tries:
-        with opener(args.trace, "rt") as f:
-            tries = drafting_tries(f)
+        tries = drafting_tries(lines)
         print("| requests | proposals | followed by trees | median ms | total s |")
         print("|---|---|---|---|---|")
         for req, t in tries.items():
@@ -175,11 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{t['total_s']:.1f} |")
         return 0
     if args.outcomes:
-        with opener(args.trace, "rt") as f:
-            print(json.dumps(budget_outcomes(f, args.min_requests), indent=1))
+        print(json.dumps(budget_outcomes(lines, args.min_requests), indent=1))
         return 0
-    with opener(args.trace, "rt") as f:
-        groups = step_groups(f, args.requests)
+    groups = step_groups(lines, args.requests)
     busy = sum(g["busy_s"] for g in groups.values()) or 1.0
     print("| requests | trees | steps | rows | wall ms | forward ms | verification ms | host ms "
           "| busy s | share of busy | accepted |")
