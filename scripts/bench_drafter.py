@@ -1,16 +1,21 @@
 #!/usr/bin/env python
-"""What PCTree's drafter costs per step on this machine, apart from any engine: the block
-(backbone and output projection over the block) and the tree expansion, for --requests
-requests drafting together with contexts of random target rows, in torch's GEMM and in
-vLLM's prepacked CPU GEMM (fp32 and bf16), over the drafter's draft vocabulary and over all
-words. Prints the median ms per call over --calls calls (after two warm-up calls).
+"""What PCTree's drafter costs per step on this machine, apart from any engine: putting
+--new-rows target rows per request into the drafter's context (what a proposal does first
+with the rows of the steps since the last one), the block (backbone and output projection
+over the block) and the tree expansion, for --requests requests drafting together with
+contexts of random target rows, in torch's GEMM and in vLLM's prepacked CPU GEMM (fp32 and
+bf16), over the drafter's draft vocabulary and over all words. Prints the median ms per call
+over --calls calls (after two warm-up calls).
 
 In an engine the target's forward runs between two drafting calls and leaves none of the
 drafter's weights in the caches; ``--cold-mib N`` writes an N MiB buffer before every timed
-call to do the same (600 MiB: about what SmolLM2-135M's fp32 forward reads).
+call to do the same (600 MiB: about what SmolLM2-135M's fp32 forward reads). vLLM's CPU
+engine binds its worker's threads to the cores it does not reserve for its front end (one
+core per worker on x86: on a 2-core machine the forward and the drafter run on one core);
+``--threads 1`` measures that.
 
   python scripts/bench_drafter.py [--context 300] [--requests 1,4] [--cold-mib 0,600]
-      [--calls 20] [--draft-vocab 0,default]
+      [--calls 20] [--draft-vocab 0,default] [--new-rows 3] [--threads 1]
 """
 from __future__ import annotations
 
@@ -29,6 +34,12 @@ def main() -> int:
                     help="comma-separated sizes of the buffer written before each timed call "
                          "(0: warm caches)")
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's, i.e. every core; an engine's worker "
+                         "on a 2-core machine: 1)")
+    ap.add_argument("--new-rows", type=int, default=3,
+                    help="context rows per request put in before each block (a request's last "
+                         "step's root and accepted tokens; more after steps without drafting)")
     ap.add_argument("--draft-vocab", default="0,default",
                     help="draft-vocabulary sizes (speculative_config['draft_vocab']; 0: all words, "
                          "default: the drafter folder's)")
@@ -41,6 +52,9 @@ def main() -> int:
     from vllm_ptd.pctree.config import PCTreeConfig
     from vllm_ptd.pctree.expand import expand_trees
     from vllm_ptd.pctree.method import PCTreeMethod
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     def ms(fn, sweep: torch.Tensor | None) -> float:
         fn(), fn()
@@ -61,12 +75,12 @@ def main() -> int:
     counts = [int(v) for v in args.requests.split(",")]
     colds = [int(v) for v in args.cold_mib.split(",")]
     print(f"torch threads {torch.get_num_threads()}; context {args.context} rows (+20 per request)\n")
-    print("| GEMM | dtype | draft vocabulary | requests | caches | block ms | expansion ms | "
-          "total ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"| GEMM | dtype | draft vocabulary | requests | caches | {args.new_rows} new context "
+          f"rows ms | block ms | expansion ms | total ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for (name, make, dtype), size in ((v, s) for v in variants for s in sizes):
         if make is None and name != "torch":
-            print(f"| {name} | {dtype} | — | — | — | — | — | not available |")
+            print(f"| {name} | {dtype} | — | — | — | — | — | — | not available |")
             continue
         m = PCTreeMethod(PCTreeConfig(draft_vocab=size), target, dtype=dtype, linear_kernel=make)
         d, c = m.drafter, m.config
@@ -80,7 +94,17 @@ def main() -> int:
                 ctxs.append(ctx)
             roots = [5 + i for i in range(n)]
             sweep = torch.empty(cold * 2 ** 20 // 4) if cold else None
+            new_rows = [torch.randn(args.new_rows, d.context_dim, generator=gen) for _ in ctxs]
+
+            def flush():
+                # appended, then taken back, so that every call sees contexts of one size
+                saved = [(c.length, c.next_position) for c in ctxs]
+                d.append_contexts(ctxs, new_rows)
+                for c, (length, pos) in zip(ctxs, saved):
+                    c.length, c.next_position = length, pos
+
             with torch.no_grad():
+                append = ms(flush, sweep) if args.new_rows else 0.0
                 U, h = d.draft_block(ctxs, roots)
                 block = ms(lambda: d.draft_block(ctxs, roots), sweep)
                 expand = ms(lambda: expand_trees(U, roots, markov=d.markov_head, hidden=h,
@@ -89,7 +113,8 @@ def main() -> int:
                                                  vocab_ids=d.draft_vocab), sweep)
             caches = f"cold ({cold} MiB written)" if cold else "warm"
             print(f"| {name} | {str(dtype).replace('torch.', '')} | {U.shape[-1]} | {n} | "
-                  f"{caches} | {block:.1f} | {expand:.1f} | {block + expand:.1f} |")
+                  f"{caches} | {append:.1f} | {block:.1f} | {expand:.1f} | "
+                  f"{append + block + expand:.1f} |")
     return 0
 
 
