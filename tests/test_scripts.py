@@ -372,3 +372,42 @@ def test_upkeep_times_phases_and_checks_outputs_against_plain():
     assert (s["identical"], s["compared"]) == (7, 8)
     table = report([("none", summarize(plain, None)), ("ptd", s)])
     assert "| 1 | none | 4.00 (2.00-6.00) |" in table and "| 7/8 |" in table
+
+
+def test_paired_steps_are_timed_and_sorted_by_kind():
+    from types import SimpleNamespace
+
+    from vllm_ptd.bench.paired import StepTimer, report, step_kind, summarize_steps
+
+    assert step_kind(4, 4, 0) == "decode"
+    assert step_kind(4, 12, 8) == "decode+tree"
+    assert step_kind(4, 300, 0) == "prefill"
+    assert step_kind(4, 308, 8) == "prefill+tree"
+
+    class Executor:  # vLLM's split: execute_model returns None, sample_tokens the output
+        def execute_model(self, so):
+            time.sleep(0.01)
+            return None if so.total_num_scheduled_tokens > 4 else "out"
+
+        def sample_tokens(self, grammar):
+            return "sampled"
+
+    ex = Executor()
+    timer = StepTimer(ex)
+    tree = SimpleNamespace(scheduled_spec_decode_tokens={"a": [1, 2], "b": []},
+                           num_scheduled_tokens={"a": 3, "b": 1}, total_num_scheduled_tokens=4)
+    plain = SimpleNamespace(scheduled_spec_decode_tokens={}, num_scheduled_tokens={"a": 200},
+                            total_num_scheduled_tokens=200)
+    assert ex.execute_model(tree) == "out"  # the step's output straight from execute_model
+    assert ex.execute_model(plain) is None and ex.sample_tokens(None) == "sampled"
+    assert ex.sample_tokens(None) == "sampled"  # no open step: nothing recorded
+    assert [(k, r) for k, r, _ in timer.steps] == [("decode+tree", 4), ("prefill", 200)]
+    assert all(0.01 <= s < 1.0 for _, _, s in timer.steps)
+    kinds = summarize_steps(timer.steps)
+    assert kinds["decode+tree"]["steps"] == 1 and kinds["prefill"]["rows"] == 200
+    assert kinds["decode"] == {"steps": 0, "seconds": 0.0, "rows": 0}
+    text = report(["none", "ptd"], {"none": [2.0, 4.0], "ptd": [1.0, 4.0]},
+                  {"none": kinds, "ptd": kinds}, {"ptd": (7, 8)})
+    # per batch 0.5 and 1.0 (median 0.75); sums 5 / 6
+    assert "| ptd | 5.00 | 0.750 | 0.833 | 7/8 |" in text and "| none | 6.00 | 1.000 | 1.000 | ref |" in text
+    assert "| ptd | prefill | 1 |" in text and "| ptd | decode |" not in text

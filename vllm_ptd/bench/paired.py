@@ -1,0 +1,206 @@
+"""Engines side by side in one process: where a tree engine's time goes against plain
+decoding's, step kind by step kind, without the differences between engine processes.
+
+Every method's engine is built in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and the
+same batches go to the engines in turn (order rotating). Separate engine processes running
+the same plain steps differ by a few per cent on this machine (``bench_upkeep``), more than
+what some of the effects measured here are. Each engine step is timed (the executor's
+``execute_model`` to its ``sample_tokens``) and sorted by kind: *decode* (every request
+schedules its one token, plus its tree) or *prefill* (some request schedules prompt rows),
+with or without a tree. Outputs are compared with the first method's, batch by batch.
+
+Threads: a multiprocess vLLM CPU engine binds its worker to the cores it does not reserve
+for its front end (one per worker on x86, so one core of two here); engines in one process
+are not bound, so ``--threads`` sets torch's threads, by default that same count.
+
+  python scripts/bench_paired.py --methods none,ptd --batch-size 4 --batching continuous \\
+      --num-prompts 16 --max-tokens 64 --rounds 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+STEP_KINDS = ("decode", "decode+tree", "prefill", "prefill+tree")
+
+
+def step_kind(num_requests: int, scheduled_tokens: int, tree_tokens: int) -> str:
+    """A step's kind from what the scheduler gave it: ``num_requests`` requests,
+    ``scheduled_tokens`` rows in all, ``tree_tokens`` of them speculative."""
+    prompt_rows = scheduled_tokens - num_requests - tree_tokens
+    return ("prefill" if prompt_rows > 0 else "decode") + ("+tree" if tree_tokens else "")
+
+
+class StepTimer:
+    """Times each engine step of ``executor`` (an in-process vLLM executor) into ``steps``
+    as ``(kind, rows, seconds)``: from ``execute_model`` to the end of ``sample_tokens``, or
+    of ``execute_model`` when that returns the step's output itself."""
+
+    def __init__(self, executor) -> None:
+        self.steps: list[tuple[str, int, float]] = []
+        self._open: tuple[str, int, float] | None = None
+        execute, sample = executor.execute_model, executor.sample_tokens
+
+        def execute_model(scheduler_output, *args, **kwargs):
+            tree = sum(len(t) for t in scheduler_output.scheduled_spec_decode_tokens.values())
+            rows = scheduler_output.total_num_scheduled_tokens
+            kind = step_kind(len(scheduler_output.num_scheduled_tokens), rows, tree)
+            t0 = time.perf_counter()
+            out = execute(scheduler_output, *args, **kwargs)
+            if out is None:
+                self._open = (kind, rows, t0)
+            else:
+                self.steps.append((kind, rows, time.perf_counter() - t0))
+            return out
+
+        def sample_tokens(*args, **kwargs):
+            out = sample(*args, **kwargs)
+            if self._open is not None:
+                kind, rows, t0 = self._open
+                self._open = None
+                self.steps.append((kind, rows, time.perf_counter() - t0))
+            return out
+
+        executor.execute_model, executor.sample_tokens = execute_model, sample_tokens
+
+
+def summarize_steps(steps: list[tuple[str, int, float]]) -> dict[str, dict]:
+    """Per step kind: steps, seconds and rows."""
+    out = {k: {"steps": 0, "seconds": 0.0, "rows": 0} for k in STEP_KINDS}
+    for kind, rows, seconds in steps:
+        s = out[kind]
+        s["steps"] += 1
+        s["seconds"] += seconds
+        s["rows"] += rows
+    return out
+
+
+def report(labels: list[str], walls: dict[str, list[float]], kinds: dict[str, dict],
+           identical: dict[str, tuple[int, int]]) -> str:
+    """Markdown: each engine's wall time against the first's (per batch: the median of the
+    ratios, and the ratio of the sums), outputs equal to the first's, and its steps by kind."""
+    ref = labels[0]
+    lines = ["| method | wall s | wall / first's, per batch (median) | of the sums | identical |",
+             "|---|---|---|---|---|"]
+    for lab in labels:
+        w = walls[lab]
+        ratios = [b / a for a, b in zip(walls[ref], w)]
+        same, total = identical.get(lab, (0, 0))
+        lines.append(f"| {lab} | {sum(w):.2f} | {statistics.median(ratios):.3f} | "
+                     f"{sum(w) / sum(walls[ref]):.3f} | "
+                     f"{'ref' if lab == ref else f'{same}/{total}'} |")
+    lines += ["", "| method | step kind | steps | seconds | rows | ms per step | rows per step |",
+              "|---|---|---|---|---|---|---|"]
+    for lab in labels:
+        for kind, s in kinds[lab].items():
+            if s["steps"]:
+                lines.append(f"| {lab} | {kind} | {s['steps']} | {s['seconds']:.2f} | "
+                             f"{s['rows']} | {1000 * s['seconds'] / s['steps']:.1f} | "
+                             f"{s['rows'] / s['steps']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", default="none,ptd",
+                    help="engines built in this process in this order; the first is the "
+                         "reference for ratios and outputs")
+    ap.add_argument("--model", default=None, help="HF model folder (default: the embedded model)")
+    ap.add_argument("--datasets", default="mt_bench,gsm8k,humaneval,mbpp")
+    ap.add_argument("--num-prompts", type=int, default=16, help="per dataset")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--batching", choices=("closed", "continuous"), default="continuous",
+                    help="closed: batches of --batch-size prompts, one after another; "
+                         "continuous: each dataset's prompts in one call, at most "
+                         "--batch-size running")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: the cores a multiprocess engine's worker "
+                         "gets, all but one)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--kv-cache-gib", type=float, default=1.0)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--out", default=None, help="folder for the report (default results/paired-<time>)")
+    args = ap.parse_args(argv)
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # every engine core in this process
+    import torch
+
+    from vllm_ptd.bench.engines import engine_env, engine_opts, llm_kwargs
+    from vllm_ptd.bench.methods import parse_method
+    from vllm_ptd.bench.prompts import load_held_out_prompts, load_token_prompts
+    from vllm_ptd.model_store import default_model_path
+
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
+    engine_env()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    methods = [parse_method(m) for m in args.methods.split(",") if m.strip()]
+    labels = [m.label for m in methods]
+    if len(set(labels)) != len(labels):
+        raise SystemExit(f"[paired] --methods repeats a label: {labels}; tag one (none@2)")
+    args.model = args.model or default_model_path()
+    args.seed, args.prefix_caching = 0, False
+    datasets = args.datasets.split(",")
+    max_len = args.max_model_len - args.max_tokens
+    prompts = load_token_prompts(args.model, datasets, args.num_prompts, None, max_len)
+    held_out = load_held_out_prompts(args.model, datasets, args.num_prompts, 1, None, max_len)
+    opts = engine_opts(args, args.batch_size)
+    engines = {}
+    for m in methods:
+        t0 = time.perf_counter()
+        llm = LLM(**llm_kwargs(opts, m.spec))
+        engines[m.label] = (llm, StepTimer(llm.llm_engine.engine_core.engine_core.model_executor))
+        print(f"[paired] {m.label} ready in {time.perf_counter() - t0:.0f}s", flush=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+
+    def generate(label: str, ids: list[list[int]]) -> list[list[int]]:
+        outs = engines[label][0].generate([TokensPrompt(prompt_token_ids=p) for p in ids], sp,
+                                          use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    for label in labels:  # warm-up on held-out prompts, not timed
+        for items in held_out.values():
+            if items:
+                generate(label, [p["ids"] for p in items])
+        engines[label][1].steps.clear()
+    batches = []
+    for ds in datasets:
+        ids = [p["ids"] for p in prompts[ds]]
+        step = len(ids) if args.batching == "continuous" else args.batch_size
+        batches += [ids[i: i + step] for i in range(0, len(ids), step)]
+    walls = {lab: [] for lab in labels}
+    outputs = {lab: [] for lab in labels}
+    for rnd in range(args.rounds):
+        for b, ids in enumerate(batches):
+            k = (rnd * len(batches) + b) % len(labels)
+            for label in labels[k:] + labels[:k]:
+                t0 = time.perf_counter()
+                outputs[label].append(generate(label, ids))
+                walls[label].append(time.perf_counter() - t0)
+        print(f"[paired] round {rnd + 1}/{args.rounds} done", flush=True)
+    ref = labels[0]
+    identical = {lab: (sum(a == b for x, y in zip(outputs[ref], outputs[lab]) for a, b in zip(x, y)),
+                       sum(len(x) for x in outputs[ref])) for lab in labels[1:]}
+    kinds = {lab: summarize_steps(engines[lab][1].steps) for lab in labels}
+    table = report(labels, walls, kinds, identical)
+    text = (f"# Engines side by side in one process ({args.rounds} rounds; {args.batching} "
+            f"batches of {args.batch_size}, {args.num_prompts} prompts x {args.max_tokens} "
+            f"tokens per dataset, {args.dtype}, "
+            f"{'eager' if args.enforce_eager else 'compiled'}, {torch.get_num_threads()} "
+            f"torch thread(s))\n\n{table}\n")
+    out = Path(args.out or f"results/paired-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "paired.md").write_text(text)
+    (out / "paired.json").write_text(json.dumps(
+        {"args": vars(args), "walls": walls, "kinds": kinds, "identical": identical}, indent=1))
+    print(text)
+    return 0
