@@ -384,10 +384,17 @@ def test_paired_steps_are_timed_and_sorted_by_kind():
     assert step_kind(4, 300, 0) == "prefill"
     assert step_kind(4, 308, 8) == "prefill+tree"
 
+    from concurrent.futures import Future
+
     class Executor:  # vLLM's split: execute_model returns None, sample_tokens the output
-        def execute_model(self, so):
+        def execute_model(self, so, non_block=False):
             time.sleep(0.01)
-            return None if so.total_num_scheduled_tokens > 4 else "out"
+            out = None if so.total_num_scheduled_tokens > 4 else "out"
+            if non_block:  # the engine core's call: a done future
+                fut = Future()
+                fut.set_result(out)
+                return fut
+            return out
 
         def sample_tokens(self, grammar):
             return "sampled"
@@ -399,15 +406,20 @@ def test_paired_steps_are_timed_and_sorted_by_kind():
     plain = SimpleNamespace(scheduled_spec_decode_tokens={}, num_scheduled_tokens={"a": 200},
                             total_num_scheduled_tokens=200)
     assert ex.execute_model(tree) == "out"  # the step's output straight from execute_model
-    assert ex.execute_model(plain) is None and ex.sample_tokens(None) == "sampled"
+    assert ex.execute_model(plain, non_block=True).result() is None
+    assert ex.sample_tokens(None) == "sampled"
     assert ex.sample_tokens(None) == "sampled"  # no open step: nothing recorded
     assert [(k, r) for k, r, _ in timer.steps] == [("decode+tree", 4), ("prefill", 200)]
     assert all(0.01 <= s < 1.0 for _, _, s in timer.steps)
     kinds = summarize_steps(timer.steps)
     assert kinds["decode+tree"]["steps"] == 1 and kinds["prefill"]["rows"] == 200
     assert kinds["decode"] == {"steps": 0, "seconds": 0.0, "rows": 0}
+    host = {"none": {"schedule": 0.5}, "ptd": {"schedule": 0.25, "process_outputs": 1.0}}
     text = report(["none", "ptd"], {"none": [2.0, 4.0], "ptd": [1.0, 4.0]},
-                  {"none": kinds, "ptd": kinds}, {"ptd": (7, 8)})
+                  {"none": kinds, "ptd": kinds}, {"ptd": (7, 8)}, host)
     # per batch 0.5 and 1.0 (median 0.75); sums 5 / 6
     assert "| ptd | 5.00 | 0.750 | 0.833 | 7/8 |" in text and "| none | 6.00 | 1.000 | 1.000 | ref |" in text
     assert "| ptd | prefill | 1 |" in text and "| ptd | decode |" not in text
+    steps = sum(s for _, _, s in timer.steps)
+    # host phases, and the rest of the wall time: 5 s less the steps and 1.25 s of phases
+    assert f"| ptd | {steps:.2f} | 0.25 | 0.00 | 0.00 | 1.00 | {5 - steps - 1.25:.2f} |" in text

@@ -5,9 +5,12 @@ Every method's engine is built in this process (``VLLM_ENABLE_V1_MULTIPROCESSING
 same batches go to the engines in turn (order rotating). Separate engine processes running
 the same plain steps differ by a few per cent on this machine (``bench_upkeep``), more than
 what some of the effects measured here are. Each engine step is timed (the executor's
-``execute_model`` to its ``sample_tokens``) and sorted by kind: *decode* (every request
+``execute_model`` to the end of its ``sample_tokens``, which holds sampling, and for a tree
+method its verification and drafting) and sorted by kind: *decode* (every request
 schedules its one token, plus its tree) or *prefill* (some request schedules prompt rows),
-with or without a tree. Outputs are compared with the first method's, batch by batch.
+with or without a tree; so is the engine's host work around the steps (the scheduler, the
+drafts handed to it, the output processing). Outputs are compared with the first method's,
+batch by batch.
 
 Threads: a multiprocess vLLM CPU engine binds its worker to the cores it does not reserve
 for its front end (one per worker on x86, so one core of two here); engines in one process
@@ -26,6 +29,11 @@ import time
 from pathlib import Path
 
 STEP_KINDS = ("decode", "decode+tree", "prefill", "prefill+tree")
+# the engine's host work around its steps: (owner, method) under ``LLM.llm_engine``
+HOST_PHASES = {"schedule": ("engine_core.engine_core.scheduler", "schedule"),
+               "update_from_output": ("engine_core.engine_core.scheduler", "update_from_output"),
+               "post_step (drafts to the scheduler)": ("engine_core.engine_core", "post_step"),
+               "process_outputs": ("output_processor", "process_outputs")}
 
 
 def step_kind(num_requests: int, scheduled_tokens: int, tree_tokens: int) -> str:
@@ -38,7 +46,8 @@ def step_kind(num_requests: int, scheduled_tokens: int, tree_tokens: int) -> str
 class StepTimer:
     """Times each engine step of ``executor`` (an in-process vLLM executor) into ``steps``
     as ``(kind, rows, seconds)``: from ``execute_model`` to the end of ``sample_tokens``, or
-    of ``execute_model`` when that returns the step's output itself."""
+    of ``execute_model`` when that returns the step's output itself (directly or, with
+    ``non_block``, as a done future)."""
 
     def __init__(self, executor) -> None:
         self.steps: list[tuple[str, int, float]] = []
@@ -51,7 +60,8 @@ class StepTimer:
             kind = step_kind(len(scheduler_output.num_scheduled_tokens), rows, tree)
             t0 = time.perf_counter()
             out = execute(scheduler_output, *args, **kwargs)
-            if out is None:
+            result = out.result() if hasattr(out, "result") else out
+            if result is None:
                 self._open = (kind, rows, t0)
             else:
                 self.steps.append((kind, rows, time.perf_counter() - t0))
@@ -80,9 +90,10 @@ def summarize_steps(steps: list[tuple[str, int, float]]) -> dict[str, dict]:
 
 
 def report(labels: list[str], walls: dict[str, list[float]], kinds: dict[str, dict],
-           identical: dict[str, tuple[int, int]]) -> str:
+           identical: dict[str, tuple[int, int]], host: dict[str, dict[str, float]]) -> str:
     """Markdown: each engine's wall time against the first's (per batch: the median of the
-    ratios, and the ratio of the sums), outputs equal to the first's, and its steps by kind."""
+    ratios, and the ratio of the sums), outputs equal to the first's, its steps by kind,
+    and its seconds in each host phase (``HOST_PHASES``) and the rest of the wall time."""
     ref = labels[0]
     lines = ["| method | wall s | wall / first's, per batch (median) | of the sums | identical |",
              "|---|---|---|---|---|"]
@@ -101,6 +112,15 @@ def report(labels: list[str], walls: dict[str, list[float]], kinds: dict[str, di
                 lines.append(f"| {lab} | {kind} | {s['steps']} | {s['seconds']:.2f} | "
                              f"{s['rows']} | {1000 * s['seconds'] / s['steps']:.1f} | "
                              f"{s['rows'] / s['steps']:.1f} |")
+    names = list(HOST_PHASES)
+    lines += ["", "| method | steps s | " + " | ".join(f"{n} s" for n in names) + " | rest s |",
+              "|---|---|" + "---|" * len(names) + "---|"]
+    for lab in labels:
+        steps = sum(s["seconds"] for s in kinds[lab].values())
+        phases = [host[lab].get(n, 0.0) for n in names]
+        rest = sum(walls[lab]) - steps - sum(phases)
+        lines.append(f"| {lab} | {steps:.2f} | " + " | ".join(f"{v:.2f}" for v in phases)
+                     + f" | {rest:.2f} |")
     return "\n".join(lines)
 
 
@@ -136,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_ptd.bench.engines import engine_env, engine_opts, llm_kwargs
     from vllm_ptd.bench.methods import parse_method
     from vllm_ptd.bench.prompts import load_held_out_prompts, load_token_prompts
+    from vllm_ptd.bench.upkeep import add_timer
     from vllm_ptd.model_store import default_model_path
 
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
@@ -158,7 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     for m in methods:
         t0 = time.perf_counter()
         llm = LLM(**llm_kwargs(opts, m.spec))
-        engines[m.label] = (llm, StepTimer(llm.llm_engine.engine_core.engine_core.model_executor))
+        host: dict[str, float] = {}
+        for name, (owner, method) in HOST_PHASES.items():
+            obj = llm.llm_engine
+            for attr in owner.split("."):
+                obj = getattr(obj, attr)
+            add_timer(obj, method, name, host)
+        engines[m.label] = (llm, StepTimer(llm.llm_engine.engine_core.engine_core.model_executor),
+                            host)
         print(f"[paired] {m.label} ready in {time.perf_counter() - t0:.0f}s", flush=True)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
 
@@ -172,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             if items:
                 generate(label, [p["ids"] for p in items])
         engines[label][1].steps.clear()
+        engines[label][2].clear()
     batches = []
     for ds in datasets:
         ids = [p["ids"] for p in prompts[ds]]
@@ -191,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     identical = {lab: (sum(a == b for x, y in zip(outputs[ref], outputs[lab]) for a, b in zip(x, y)),
                        sum(len(x) for x in outputs[ref])) for lab in labels[1:]}
     kinds = {lab: summarize_steps(engines[lab][1].steps) for lab in labels}
-    table = report(labels, walls, kinds, identical)
+    host = {lab: dict(engines[lab][2]) for lab in labels}
+    table = report(labels, walls, kinds, identical, host)
     text = (f"# Engines side by side in one process ({args.rounds} rounds; {args.batching} "
             f"batches of {args.batch_size}, {args.num_prompts} prompts x {args.max_tokens} "
             f"tokens per dataset, {args.dtype}, "
@@ -201,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "paired.md").write_text(text)
     (out / "paired.json").write_text(json.dumps(
-        {"args": vars(args), "walls": walls, "kinds": kinds, "identical": identical}, indent=1))
+        {"args": vars(args), "walls": walls, "kinds": kinds, "identical": identical,
+         "host": host}, indent=1))
     print(text)
     return 0
