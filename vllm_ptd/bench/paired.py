@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from vllm_ptd.bench.engines import engine_env, engine_opts, llm_kwargs
+    from vllm_ptd.bench.host import host_info
     from vllm_ptd.bench.methods import parse_method
     from vllm_ptd.bench.prompts import load_held_out_prompts, load_token_prompts
     from vllm_ptd.bench.upkeep import add_timer
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "paired.md").write_text(text)
     (out / "paired.json").write_text(json.dumps(
-        {"args": vars(args), "walls": walls, "kinds": kinds, "identical": identical,
-         "host": host}, indent=1))
+        {"args": vars(args), "host": host_info(), "walls": walls, "kinds": kinds,
+         "identical": identical, "host_phases": host}, indent=1))
     print(text)
     return 0
