@@ -416,9 +416,10 @@ def test_paired_steps_are_timed_and_sorted_by_kind():
     assert kinds["decode"] == {"steps": 0, "seconds": 0.0, "rows": 0}
     host = {"none": {"schedule": 0.5}, "ptd": {"schedule": 0.25, "process_outputs": 1.0}}
     text = report(["none", "ptd"], {"none": [2.0, 4.0], "ptd": [1.0, 4.0]},
-                  {"none": kinds, "ptd": kinds}, {"ptd": (7, 8)}, host)
-    # per batch 0.5 and 1.0 (median 0.75); sums 5 / 6
-    assert "| ptd | 5.00 | 0.750 | 0.833 | 7/8 |" in text and "| none | 6.00 | 1.000 | 1.000 | ref |" in text
+                  {"none": kinds, "ptd": kinds}, {"ptd": (7, 8)}, host, rounds=2)
+    # per batch 0.5 and 1.0 (median 0.75); two rounds of one batch: 0.5 and 1.0
+    assert "| ptd | 5.00 | 0.750 | 0.750 ± 0.354 | 7/8 |" in text
+    assert "| none | 6.00 | 1.000 | 1.000 ± 0.000 | ref |" in text
     assert "| ptd | prefill | 1 |" in text and "| ptd | decode |" not in text
     steps = sum(s for _, _, s in timer.steps)
     # host phases, and the rest of the wall time: 5 s less the steps and 1.25 s of phases

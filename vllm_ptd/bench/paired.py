@@ -90,19 +90,25 @@ def summarize_steps(steps: list[tuple[str, int, float]]) -> dict[str, dict]:
 
 
 def report(labels: list[str], walls: dict[str, list[float]], kinds: dict[str, dict],
-           identical: dict[str, tuple[int, int]], host: dict[str, dict[str, float]]) -> str:
+           identical: dict[str, tuple[int, int]], host: dict[str, dict[str, float]],
+           rounds: int = 1) -> str:
     """Markdown: each engine's wall time against the first's (per batch: the median of the
-    ratios, and the ratio of the sums), outputs equal to the first's, its steps by kind,
-    and its seconds in each host phase (``HOST_PHASES``) and the rest of the wall time."""
+    ratios; per round, ``walls`` holding ``rounds`` rounds of batches in order: the ratio of
+    the sums, mean ± sample sd), outputs equal to the first's, its steps by kind, and its
+    seconds in each host phase (``HOST_PHASES``) and the rest of the wall time."""
     ref = labels[0]
-    lines = ["| method | wall s | wall / first's, per batch (median) | of the sums | identical |",
-             "|---|---|---|---|---|"]
+    lines = ["| method | wall s | wall / first's, per batch (median) | per round (mean ± sd) "
+             "| identical |", "|---|---|---|---|---|"]
+    n = len(walls[ref]) // rounds
     for lab in labels:
         w = walls[lab]
         ratios = [b / a for a, b in zip(walls[ref], w)]
+        per_round = [sum(w[i * n:(i + 1) * n]) / sum(walls[ref][i * n:(i + 1) * n])
+                     for i in range(rounds)]
+        sd = statistics.stdev(per_round) if rounds > 1 else 0.0
         same, total = identical.get(lab, (0, 0))
         lines.append(f"| {lab} | {sum(w):.2f} | {statistics.median(ratios):.3f} | "
-                     f"{sum(w) / sum(walls[ref]):.3f} | "
+                     f"{statistics.fmean(per_round):.3f} ± {sd:.3f} | "
                      f"{'ref' if lab == ref else f'{same}/{total}'} |")
     lines += ["", "| method | step kind | steps | seconds | rows | ms per step | rows per step |",
               "|---|---|---|---|---|---|---|"]
@@ -222,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                        sum(len(x) for x in outputs[ref])) for lab in labels[1:]}
     kinds = {lab: summarize_steps(engines[lab][1].steps) for lab in labels}
     host = {lab: dict(engines[lab][2]) for lab in labels}
-    table = report(labels, walls, kinds, identical, host)
+    table = report(labels, walls, kinds, identical, host, args.rounds)
     text = (f"# Engines side by side in one process ({args.rounds} rounds; {args.batching} "
             f"batches of {args.batch_size}, {args.num_prompts} prompts x {args.max_tokens} "
             f"tokens per dataset, {args.dtype}, "
