@@ -131,28 +131,21 @@ def report(labels: list[str], walls: dict[str, list[float]], kinds: dict[str, di
 
 
 def main(argv: list[str] | None = None) -> int:
+    from vllm_ptd.bench.upkeep import add_engine_args
+
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", default="none,ptd",
                     help="engines built in this process in this order; the first is the "
                          "reference for ratios and outputs")
-    ap.add_argument("--model", default=None, help="HF model folder (default: the embedded model)")
-    ap.add_argument("--datasets", default="mt_bench,gsm8k,humaneval,mbpp")
-    ap.add_argument("--num-prompts", type=int, default=16, help="per dataset")
-    ap.add_argument("--batch-size", type=int, default=4)
+    add_engine_args(ap, batch_size=4)
     ap.add_argument("--batching", choices=("closed", "continuous"), default="continuous",
                     help="closed: batches of --batch-size prompts, one after another; "
                          "continuous: each dataset's prompts in one call, at most "
                          "--batch-size running")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: the cores a multiprocess engine's worker "
                          "gets, all but one)")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--kv-cache-gib", type=float, default=1.0)
-    ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--out", default=None, help="folder for the report (default results/paired-<time>)")
     args = ap.parse_args(argv)
 

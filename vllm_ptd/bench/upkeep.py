@@ -43,6 +43,21 @@ def add_timer(obj, name: str, key: str, totals: dict) -> None:
     setattr(obj, name, timed)
 
 
+def add_engine_args(ap: argparse.ArgumentParser, batch_size: int) -> None:
+    """The prompts, batches and engine options of a probe whose engines run in-process
+    (here and ``vllm_ptd.bench.paired``)."""
+    ap.add_argument("--model", default=None, help="HF model folder (default: the embedded model)")
+    ap.add_argument("--datasets", default="mt_bench,gsm8k,humaneval,mbpp")
+    ap.add_argument("--num-prompts", type=int, default=16, help="per dataset")
+    ap.add_argument("--batch-size", type=int, default=batch_size)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--kv-cache-gib", type=float, default=1.0)
+    ap.add_argument("--enforce-eager", action="store_true")
+
+
 def summarize(records: list[dict], reference: dict | None) -> dict:
     """One method's rounds (``records``: ``{"round", "dataset", "wall", <phase>...,
     "outputs"}`` per batch) as mean and spread over rounds of each phase's seconds per
@@ -137,16 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default="none,ptd:disable_by_batch_size=1,"
                     "pctree:disable_by_batch_size=1,none",
                     help="run one after another, each in a fresh process; a method may repeat")
-    ap.add_argument("--model", default=None, help="HF model folder (default: the embedded model)")
-    ap.add_argument("--datasets", default="mt_bench,gsm8k,humaneval,mbpp")
-    ap.add_argument("--num-prompts", type=int, default=16, help="per dataset")
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--kv-cache-gib", type=float, default=1.0)
-    ap.add_argument("--enforce-eager", action="store_true")
+    add_engine_args(ap, batch_size=16)
     ap.add_argument("--out", default=None, help="folder for the records (default results/upkeep-<time>)")
     args = ap.parse_args(argv)
     methods = [parse_method(m) for m in args.methods.split(",") if m.strip()]
