@@ -98,10 +98,10 @@ def main() -> int:
 
             def flush():
                 # appended, then taken back, so that every call sees contexts of one size
-                saved = [(c.length, c.next_position) for c in ctxs]
+                saved = [(context.length, context.next_position) for context in ctxs]
                 d.append_contexts(ctxs, new_rows)
-                for c, (length, pos) in zip(ctxs, saved):
-                    c.length, c.next_position = length, pos
+                for context, (length, pos) in zip(ctxs, saved):
+                    context.length, context.next_position = length, pos
 
             with torch.no_grad():
                 append = ms(flush, sweep) if args.new_rows else 0.0
