@@ -278,7 +278,7 @@ def test_warmup_runs_held_out_prompts_and_records_nothing():
             return {"wall": 0.0, "outputs": [[1]] * len(batch), "counters": None, "trace": []}
 
     prompts = {"a": [{"id": i, "ids": [i, i + 1]} for i in range(3)],
-               "b": [{"id": 9, "ids": [7, 8, 9]}]}
+               "b": [{"id": 9, "ids": [7, 8, 9], "max_tokens": 20}]}  # its own limit
     spare = {"a": [{"id": 5, "ids": [50, 51]}], "b": []}
     eng = [FakeEngine("none"), FakeEngine("ptd")]
     recs = run_interleaved(eng, prompts, [1, 2], 1, 64, 0.0, True, progress=False,
@@ -287,7 +287,9 @@ def test_warmup_runs_held_out_prompts_and_records_nothing():
     measured = [ids for group in measured for ids in group]
     for e in eng:
         warm = e.seen[:4]  # (size 1, a), (size 2, a), (size 1, b), (size 2, b)
-        assert [m for _, m in warm] == [32] * 4 and e.seen[4][1] == 64
+        # limits per prompt: 32 in the warm-up (b's own 20 below that), then 64 and b's 20
+        assert [m for _, m in warm] == [[32], [32, 32], [20], [20]] and e.seen[4][1] == [64]
+        assert [m for b, m in e.seen[4:] if b == [[7, 8, 9]]] == [[20], [20]]
         batches = [b for b, _ in warm]
         assert batches[0] == [[50, 51]] and batches[1] == [[50, 51], [50, 51]]
         assert batches[2] == batches[3] == [[9, 8, 7]]  # b has no spare prompt
@@ -303,6 +305,16 @@ def test_warmup_runs_held_out_prompts_and_records_nothing():
     both = load_token_prompts(model, ["mt_bench"], 5, None, 4096)
     assert [p["id"] for p in both["mt_bench"]] == [p["id"] for p in
                                                    got["mt_bench"] + held["mt_bench"]]
+
+
+def test_a_prompts_own_token_limit_is_fixed_and_in_range():
+    from vllm_ptd.bench.prompts import token_limit
+
+    assert token_limit("gsm8k", 3, None, 64) == 64  # no spread: the one limit
+    limits = [token_limit("gsm8k", i, 16, 64) for i in range(200)]
+    assert limits == [token_limit("gsm8k", i, 16, 64) for i in range(200)]  # fixed per prompt
+    assert min(limits) >= 16 and max(limits) <= 64 and len(set(limits)) > 30
+    assert [token_limit("mbpp", i, 16, 64) for i in range(200)] != limits  # dataset in the key
 
 
 def test_continuous_batching_sends_each_dataset_in_one_call():

@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompts per dataset (default: all; gsm8k/mbpp: their 100-sample)")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--min-tokens-limit", type=int, default=None,
+                    help="each prompt's own limit on new tokens, drawn from [this, --max-tokens] "
+                         "(fixed per prompt, the same for every method and repeat): requests "
+                         "that end at different steps, as a service's do, instead of every "
+                         "request running to --max-tokens in the same step (default: "
+                         "--max-tokens for all)")
     ap.add_argument("--batch-sizes", type=int_list, default=[1, 4, 16])
     ap.add_argument("--batching", choices=["closed", "continuous"], default="closed",
                     help="closed: each batch of --batch-sizes prompts is submitted together and "

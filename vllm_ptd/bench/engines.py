@@ -140,8 +140,10 @@ def engine_worker(conn, spec: dict | None, opts: dict, log_path: str,
         if msg.get("cmd") != "generate":
             break
         try:
-            sp = SamplingParams(temperature=0.0, max_tokens=msg["max_tokens"],
-                                ignore_eos=bool(msg.get("ignore_eos", False)))
+            limits = msg["max_tokens"]  # one for all prompts, or one per prompt
+            limits = limits if isinstance(limits, list) else [limits] * len(msg["prompts"])
+            sp = [SamplingParams(temperature=0.0, max_tokens=n,
+                                 ignore_eos=bool(msg.get("ignore_eos", False))) for n in limits]
             prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in msg["prompts"]]
             before = counter_snapshot(llm)
             _, _, trace_pos = read_trace(trace_path, trace_pos)  # drop anything before this call
@@ -212,7 +214,9 @@ class Engine:
         self.ready = False
         self.error = why
 
-    def generate(self, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = False) -> dict:
+    def generate(self, prompts: list[list[int]], max_tokens: int | list[int],
+                 ignore_eos: bool = False) -> dict:
+        """Greedy outputs of ``prompts`` (``max_tokens``: one limit, or one per prompt)."""
         try:
             self.conn.send({"cmd": "generate", "prompts": prompts, "max_tokens": max_tokens,
                             "ignore_eos": ignore_eos})

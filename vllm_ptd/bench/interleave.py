@@ -46,6 +46,8 @@ def run_interleaved(engines: list[Engine], prompts: dict[str, list[dict]], batch
     def turn(order, item, record: bool, bar=None, max_tok: int = max_tokens, warm=False):
         r, ds, bs, ci, idx = item
         batch = [prompts[ds][i]["ids"] for i in idx]
+        # a prompt's own limit (``max_tokens`` in its dict, see --min-tokens-limit)
+        limits = [min(prompts[ds][i].get("max_tokens", max_tok), max_tok) for i in idx]
         if warm:
             batch = batch[:bs]  # a continuous run warms up on one batch's worth
             # a text no measured request holds, so a method that remembers earlier requests
@@ -53,13 +55,14 @@ def run_interleaved(engines: list[Engine], prompts: dict[str, list[dict]], batch
             spare = (warmup_prompts or {}).get(ds) or []
             batch = ([spare[i % len(spare)]["ids"] for i in range(len(batch))] if spare
                      else [list(reversed(ids)) for ids in batch])
+            limits = limits[:len(batch)]
         for e in order:
             if e not in live:
                 continue
             if bar is not None:
                 bar.set_postfix_str(f"{ds} bs={bs} rep={r} {e.label}", refresh=False)
             try:
-                res = e.generate(batch, max_tok)
+                res = e.generate(batch, limits)
             except EngineFailed as err:
                 live.remove(e)
                 say(f"[bench] engine {e.label} failed and leaves the run: {err}\n{e.log_tail()}")

@@ -18,6 +18,17 @@ def _token_prompts(tok, ds: str, start: int, stop: int | None, data_dir: str | N
     return items, skipped
 
 
+def token_limit(dataset: str, prompt_id, lo: int | None, hi: int) -> int:
+    """A prompt's own limit on new tokens: ``hi`` when ``lo`` is None, else drawn from
+    ``[lo, hi]`` by a hash of the dataset and the prompt's id, so that every method and
+    repeat (and every run) gives the prompt the same limit."""
+    if lo is None or lo >= hi:
+        return hi
+    import zlib
+
+    return lo + zlib.crc32(f"{dataset}/{prompt_id}".encode()) % (hi - lo + 1)
+
+
 def load_token_prompts(model: str, datasets: list[str], n: int | None, data_dir: str | None,
                        max_len: int, say=print) -> dict[str, list[dict]]:
     """The first ``n`` prompts of each dataset (all when ``None``), less those longer than

@@ -50,7 +50,10 @@ def markdown_report(agg: dict, meta: dict, methods: list[Method], failed: dict) 
     bss = sorted({r["batch_size"] for r in rows})
     get = {(r["method"], r["batch_size"], r["dataset"]): r for r in rows}
     L = ["# Speculative decoding benchmark", ""]
-    L.append(f"- model: `{meta['model']}`, dtype {meta['dtype']}, greedy, max {meta['max_tokens']} "
+    lo = meta.get("min_tokens_limit")
+    limit = (f"max {meta['max_tokens']}" if lo is None else
+             f"each prompt's own limit of {lo}-{meta['max_tokens']}")
+    L.append(f"- model: `{meta['model']}`, dtype {meta['dtype']}, greedy, {limit} "
              f"new tokens, {meta['repeats']} repeat(s), batch sizes {meta['batch_sizes']}"
              + (" (continuous batching: each dataset's prompts in one call, at most the batch "
                 "size running)" if meta.get("batching") == "continuous" else ""))
