@@ -29,6 +29,11 @@ def token_limit(dataset: str, prompt_id, lo: int | None, hi: int) -> int:
     return lo + zlib.crc32(f"{dataset}/{prompt_id}".encode()) % (hi - lo + 1)
 
 
+def token_limit_text(max_tokens: int, lo: int | None) -> str:
+    """How a report names the limit on new tokens (see :func:`token_limit`)."""
+    return f"max {max_tokens}" if lo is None else f"each prompt's own limit of {lo}-{max_tokens}"
+
+
 def load_token_prompts(model: str, datasets: list[str], n: int | None, data_dir: str | None,
                        max_len: int, say=print) -> dict[str, list[dict]]:
     """The first ``n`` prompts of each dataset (all when ``None``), less those longer than

@@ -5,6 +5,7 @@ import math
 
 from vllm_ptd.bench.aggregate import ALL
 from vllm_ptd.bench.methods import Method
+from vllm_ptd.bench.prompts import token_limit_text
 
 
 def fmt(x, nd=2) -> str:
@@ -50,9 +51,7 @@ def markdown_report(agg: dict, meta: dict, methods: list[Method], failed: dict) 
     bss = sorted({r["batch_size"] for r in rows})
     get = {(r["method"], r["batch_size"], r["dataset"]): r for r in rows}
     L = ["# Speculative decoding benchmark", ""]
-    lo = meta.get("min_tokens_limit")
-    limit = (f"max {meta['max_tokens']}" if lo is None else
-             f"each prompt's own limit of {lo}-{meta['max_tokens']}")
+    limit = token_limit_text(meta["max_tokens"], meta.get("min_tokens_limit"))
     L.append(f"- model: `{meta['model']}`, dtype {meta['dtype']}, greedy, {limit} "
              f"new tokens, {meta['repeats']} repeat(s), batch sizes {meta['batch_sizes']}"
              + (" (continuous batching: each dataset's prompts in one call, at most the batch "

@@ -41,7 +41,8 @@ from vllm_ptd.bench.engines import read_trace, traced
 from vllm_ptd.bench.trace_steps import decode_speedup
 from vllm_ptd.bench.host import REPO, host_info, resolve_common_args
 from vllm_ptd.bench.methods import Method, int_list, parse_methods, safe_label
-from vllm_ptd.bench.prompts import load_held_out_prompts, load_token_prompts
+from vllm_ptd.bench.prompts import (load_held_out_prompts, load_token_prompts, token_limit,
+                                    token_limit_text)
 from vllm_ptd.bench.report import fmt, fmt_pm, identical_cell
 
 DEFAULT_METHODS = "none,ngram:6,ptd"
@@ -258,7 +259,11 @@ async def _one_request(session, server: Server, ids: list[int], max_tokens: int)
             "tpot": ((end - first) / (ntok - 1)) if (first and ntok and ntok > 1) else None}
 
 
-async def _round(server: Server, prompts: list[list[int]], clients: int, max_tokens: int) -> dict:
+async def _round(server: Server, prompts: list[list[int]], clients: int,
+                 max_tokens: int | list[int]) -> dict:
+    """One round: ``clients`` streaming clients take the prompts in order (``max_tokens``:
+    one limit, or one per prompt)."""
+    limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     import aiohttp
 
     queue: asyncio.Queue = asyncio.Queue()
@@ -274,7 +279,7 @@ async def _round(server: Server, prompts: list[list[int]], clients: int, max_tok
                     i, p = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                results[i] = await _one_request(session, server, p, max_tokens)
+                results[i] = await _one_request(session, server, p, limits[i])
 
         t0 = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(clients)))
@@ -381,7 +386,8 @@ def summarize(rounds: list[dict], labels: list[str], client_counts: list[int],
 def report(rows: list[dict], meta: dict, failed: dict) -> str:
     f = fmt
     L = ["# Serving benchmark (OpenAI completions, streaming)", "",
-         f"- model `{meta['model']}`, dtype {meta['dtype']}, greedy, max {meta['max_tokens']} new "
+         f"- model `{meta['model']}`, dtype {meta['dtype']}, greedy, "
+         f"{token_limit_text(meta['max_tokens'], meta.get('min_tokens_limit'))} new "
          f"tokens, {meta['num_requests']} requests per round, {meta['repeats']} repeat(s); "
          f"servers: {meta['servers']}",
          "- methods take turns per round, order rotating; speedup = throughput / throughput of "
@@ -440,6 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--clients", type=int_list, default=[4],
                     help="concurrent clients, a list runs each count")
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--min-tokens-limit", type=int, default=None,
+                    help="as scripts/benchmark.py --min-tokens-limit: each prompt's own limit "
+                         "on new tokens, drawn from [this, --max-tokens], fixed per prompt")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default="auto", help="as scripts/benchmark.py --dtype")
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -465,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts_by = load_token_prompts(args.model, datasets, args.num_prompts, args.data_dir,
                                        args.max_model_len - args.max_tokens)
     prompts = [p["ids"] for ds in datasets for p in prompts_by[ds]]
+    limits = [token_limit(ds, p["id"], args.min_tokens_limit, args.max_tokens)
+              for ds in datasets for p in prompts_by[ds]]
     # warm-up on one held-out prompt per dataset (none left: the first measured one)
     spare = load_held_out_prompts(args.model, datasets, args.num_prompts, 1, args.data_dir,
                                   args.max_model_len - args.max_tokens)
@@ -510,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
                     bar.set_postfix_str(f"rep={k} clients={c} {s.label}", refresh=False)
                 before = s.metrics()
                 _, _, s.trace_pos = read_trace(s.trace_path, s.trace_pos)
-                res = asyncio.run(_round(s, prompts, c, args.max_tokens))
+                res = asyncio.run(_round(s, prompts, c, limits))
                 after = s.metrics()
                 trace, steps, s.trace_pos = read_trace(s.trace_path, s.trace_pos)
                 counters = None
@@ -534,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     labels = [s.label for s in servers]
     rows = summarize(rounds, labels, args.clients, args.repeats)
     meta = {"model": args.model, "dtype": args.dtype, "max_tokens": args.max_tokens,
+            "min_tokens_limit": args.min_tokens_limit,
             "repeats": args.repeats, "num_requests": len(prompts), "clients": args.clients,
             "datasets": {d: len(v) for d, v in prompts_by.items()},
             "servers": ", ".join(f"{s.label}={s.url}" for s in servers),
