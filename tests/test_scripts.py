@@ -317,6 +317,17 @@ def test_a_prompts_own_token_limit_is_fixed_and_in_range():
     assert [token_limit("mbpp", i, 16, 64) for i in range(200)] != limits  # dataset in the key
 
 
+def test_a_token_limit_beyond_max_tokens_is_refused_naming_both(capsys):
+    from vllm_ptd.bench.cli import main as bench_main
+    from vllm_ptd.bench.serving import main as serving_main
+
+    for main in (bench_main, serving_main):
+        with pytest.raises(SystemExit) as e:
+            main(["--methods", "none", "--num-prompts", "1", "--max-tokens", "32",
+                  "--min-tokens-limit", "48", "--dtype", "float32"])
+        assert "--min-tokens-limit 48" in str(e.value) and "(32)" in str(e.value)
+
+
 def test_continuous_batching_sends_each_dataset_in_one_call():
     """--batching continuous: one call per dataset and repeat with all its prompts (the
     engine's max_num_seqs keeps the batch size), warmed up on one batch's worth of held-out

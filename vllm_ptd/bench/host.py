@@ -53,7 +53,12 @@ def fast_bf16() -> bool:
 
 def resolve_common_args(args) -> None:
     """Defaults shared by benchmark.py, bench_serving.py and demo.py: dtype (``auto``: bf16
-    where it is fast, else fp32; ``fp32`` = float32), KV cache per engine, the model."""
+    where it is fast, else fp32; ``fp32`` = float32), KV cache per engine, the model; and
+    ``--min-tokens-limit`` checked against ``--max-tokens``."""
+    lo = getattr(args, "min_tokens_limit", None)
+    if lo is not None and not 1 <= lo <= args.max_tokens:
+        raise SystemExit(f"--min-tokens-limit {lo} must lie in 1..--max-tokens "
+                         f"({args.max_tokens})")
     if args.dtype == "auto":
         args.dtype = "bfloat16" if fast_bf16() else "float32"
     elif args.dtype == "fp32":
