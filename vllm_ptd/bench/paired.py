@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from vllm_ptd.bench.engines import engine_env, engine_opts, llm_kwargs
     from vllm_ptd.bench.host import host_info
+    from vllm_ptd.bench.interleave import prompts_per_call
     from vllm_ptd.bench.methods import parse_method
     from vllm_ptd.bench.prompts import load_held_out_prompts, load_token_prompts
     from vllm_ptd.bench.upkeep import add_timer
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = []
     for ds in datasets:
         ids = [p["ids"] for p in prompts[ds]]
-        step = len(ids) if args.batching == "continuous" else args.batch_size
+        step = prompts_per_call(len(ids), args.batch_size, args.batching == "continuous")
         batches += [ids[i: i + step] for i in range(0, len(ids), step)]
     walls = {lab: [] for lab in labels}
     outputs = {lab: [] for lab in labels}
