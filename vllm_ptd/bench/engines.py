@@ -9,6 +9,7 @@ from pathlib import Path
 
 from vllm_ptd.bench.memory import check_memory
 from vllm_ptd.bench.methods import Method, safe_label
+from vllm_ptd.bench.prompts import per_prompt_limits
 
 
 COUNTERS = {
@@ -140,10 +141,9 @@ def engine_worker(conn, spec: dict | None, opts: dict, log_path: str,
         if msg.get("cmd") != "generate":
             break
         try:
-            limits = msg["max_tokens"]  # one for all prompts, or one per prompt
-            limits = limits if isinstance(limits, list) else [limits] * len(msg["prompts"])
             sp = [SamplingParams(temperature=0.0, max_tokens=n,
-                                 ignore_eos=bool(msg.get("ignore_eos", False))) for n in limits]
+                                 ignore_eos=bool(msg.get("ignore_eos", False)))
+                  for n in per_prompt_limits(msg["max_tokens"], len(msg["prompts"]))]
             prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in msg["prompts"]]
             before = counter_snapshot(llm)
             _, _, trace_pos = read_trace(trace_path, trace_pos)  # drop anything before this call

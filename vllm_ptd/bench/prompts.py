@@ -29,6 +29,11 @@ def token_limit(dataset: str, prompt_id, lo: int | None, hi: int) -> int:
     return lo + zlib.crc32(f"{dataset}/{prompt_id}".encode()) % (hi - lo + 1)
 
 
+def per_prompt_limits(max_tokens: int | list[int], n: int) -> list[int]:
+    """``n`` prompts' limits on new tokens from one limit for all, or one per prompt."""
+    return list(max_tokens) if isinstance(max_tokens, list) else [max_tokens] * n
+
+
 def token_limit_text(max_tokens: int, lo: int | None) -> str:
     """How a report names the limit on new tokens (see :func:`token_limit`)."""
     return f"max {max_tokens}" if lo is None else f"each prompt's own limit of {lo}-{max_tokens}"

@@ -41,8 +41,8 @@ from vllm_ptd.bench.engines import read_trace, traced
 from vllm_ptd.bench.trace_steps import decode_speedup
 from vllm_ptd.bench.host import REPO, host_info, resolve_common_args
 from vllm_ptd.bench.methods import Method, int_list, parse_methods, safe_label
-from vllm_ptd.bench.prompts import (load_held_out_prompts, load_token_prompts, token_limit,
-                                    token_limit_text)
+from vllm_ptd.bench.prompts import (load_held_out_prompts, load_token_prompts,
+                                    per_prompt_limits, token_limit, token_limit_text)
 from vllm_ptd.bench.report import fmt, fmt_pm, identical_cell
 
 DEFAULT_METHODS = "none,ngram:6,ptd"
@@ -263,7 +263,7 @@ async def _round(server: Server, prompts: list[list[int]], clients: int,
                  max_tokens: int | list[int]) -> dict:
     """One round: ``clients`` streaming clients take the prompts in order (``max_tokens``:
     one limit, or one per prompt)."""
-    limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    limits = per_prompt_limits(max_tokens, len(prompts))
     import aiohttp
 
     queue: asyncio.Queue = asyncio.Queue()
