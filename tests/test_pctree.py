@@ -484,10 +484,13 @@ def test_method_lifecycle_and_batching(tmp_path):
     assert [m._requests[r].pending_rows for r in "abc"] == [5, 9, 4]
     trees = m.propose(["a", "zzz", "b", "c"], [7, 1, 8, 9])
     assert [m._requests[r].ctx.length for r in "abc"] == [5, 9, 4]
+    # putting those rows in was catch-up, which the budget does not charge to these trees
+    assert m.catch_up_ms > 0.0
     assert trees[1].num_nodes == 0
     for i, rid in ((0, "a"), (2, "b"), (3, "c")):
         assert trees[i].num_nodes == 8
         assert m.propose([rid], [[7, 1, 8, 9][i]])[0].tokens == trees[i].tokens
+        assert m.catch_up_ms == 0.0  # nothing was waiting
     with pytest.raises(ValueError, match="rows"):
         m.observe(["a"], [StepOutcome(tree=trees[0], root_argmax=0, node_argmax=[], accepted=[0],
                                       committed=[1, 2], hidden=rows(1, 5))])

@@ -57,6 +57,10 @@ class TreeMethod(ABC, Generic[State]):
 
     def __init__(self) -> None:
         self._requests: dict[str, State] = {}
+        #: ms of the last ``propose`` spent on work the steps before it left (PCTree: their
+        #: hidden rows put into the drafter's contexts), which a proposal at any later step
+        #: would pay as well; the budget does not count it against the trees of this one
+        self.catch_up_ms = 0.0
 
     @property
     @abstractmethod

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -212,10 +213,15 @@ class PCTreeMethod(TreeMethod[_Request]):
         live = [i for i, r in enumerate(req_ids) if r in self._requests]
         out = [FlatTree() for _ in req_ids]
         c = self.config
+        self.catch_up_ms = 0.0
         if not live or c.max_nodes < 2 or c.depth == 0:
             return out
-        self._flush([self._requests[req_ids[i]] for i in live])
-        ctxs = [self._requests[req_ids[i]].ctx for i in live]
+        states = [self._requests[req_ids[i]] for i in live]
+        if any(st.pending for st in states):
+            t0 = time.perf_counter()
+            self._flush(states)
+            self.catch_up_ms = 1000 * (time.perf_counter() - t0)
+        ctxs = [st.ctx for st in states]
         roots = [int(last_tokens[i]) for i in live]
         U, h = self.drafter.draft_block(ctxs, roots)
         res = expand_trees(U, roots, markov=self.drafter.markov_head, hidden=h, k=c.branching,
