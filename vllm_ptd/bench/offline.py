@@ -11,7 +11,7 @@ from vllm_ptd.bench.host import host_info
 from vllm_ptd.bench.interleave import run_interleaved
 from vllm_ptd.bench.methods import Method, parse_methods
 from vllm_ptd.bench.plots import make_plots
-from vllm_ptd.bench.prompts import load_held_out_prompts, load_token_prompts, token_limit
+from vllm_ptd.bench.prompts import load_held_out_prompts, load_token_prompts, set_token_limits
 from vllm_ptd.bench.report import markdown_report
 
 
@@ -52,9 +52,7 @@ def run_benchmark(args, methods: list[Method], datasets: list[str], say=None) ->
     prompts = load_token_prompts(args.model, datasets, args.num_prompts, args.data_dir,
                                  args.max_model_len - args.max_tokens, say)
     lo = getattr(args, "min_tokens_limit", None)
-    for ds, items in prompts.items():
-        for p in items:
-            p["max_tokens"] = token_limit(ds, p["id"], lo, args.max_tokens)
+    set_token_limits(prompts, lo, args.max_tokens)
     say(f"[bench] {sum(len(v) for v in prompts.values())} prompts from {', '.join(prompts)}; "
         f"methods: {', '.join(m.label for m in methods)}; output: {out}")
     spare = None  # every prompt measured: the warm-up falls back to reversed prompts

@@ -1,6 +1,8 @@
 """Benchmark prompts as chat-templated token ids."""
 from __future__ import annotations
 
+import zlib
+
 
 def _token_prompts(tok, ds: str, start: int, stop: int | None, data_dir: str | None,
                    max_len: int) -> tuple[list[dict], int]:
@@ -24,9 +26,15 @@ def token_limit(dataset: str, prompt_id, lo: int | None, hi: int) -> int:
     repeat (and every run) gives the prompt the same limit."""
     if lo is None or lo >= hi:
         return hi
-    import zlib
-
     return lo + zlib.crc32(f"{dataset}/{prompt_id}".encode()) % (hi - lo + 1)
+
+
+def set_token_limits(prompts: dict[str, list[dict]], lo: int | None, hi: int) -> None:
+    """Give every prompt of ``prompts`` (per dataset) its own limit, ``p["max_tokens"]``
+    (:func:`token_limit`)."""
+    for ds, items in prompts.items():
+        for p in items:
+            p["max_tokens"] = token_limit(ds, p["id"], lo, hi)
 
 
 def per_prompt_limits(max_tokens: int | list[int], n: int) -> list[int]:

@@ -42,7 +42,7 @@ from vllm_ptd.bench.trace_steps import decode_speedup
 from vllm_ptd.bench.host import REPO, host_info, resolve_common_args
 from vllm_ptd.bench.methods import Method, int_list, parse_methods, safe_label
 from vllm_ptd.bench.prompts import (load_held_out_prompts, load_token_prompts,
-                                    per_prompt_limits, token_limit, token_limit_text)
+                                    per_prompt_limits, set_token_limits, token_limit_text)
 from vllm_ptd.bench.report import fmt, fmt_pm, identical_cell
 
 DEFAULT_METHODS = "none,ngram:6,ptd"
@@ -474,8 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts_by = load_token_prompts(args.model, datasets, args.num_prompts, args.data_dir,
                                        args.max_model_len - args.max_tokens)
     prompts = [p["ids"] for ds in datasets for p in prompts_by[ds]]
-    limits = [token_limit(ds, p["id"], args.min_tokens_limit, args.max_tokens)
-              for ds in datasets for p in prompts_by[ds]]
+    set_token_limits(prompts_by, args.min_tokens_limit, args.max_tokens)
+    limits = [p["max_tokens"] for ds in datasets for p in prompts_by[ds]]
     # warm-up on one held-out prompt per dataset (none left: the first measured one)
     spare = load_held_out_prompts(args.model, datasets, args.num_prompts, 1, args.data_dir,
                                   args.max_model_len - args.max_tokens)
