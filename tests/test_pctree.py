@@ -458,15 +458,51 @@ def test_method_bounds_rows_waiting_for_the_drafter(tmp_path):
     save_drafter(dr, tmp_path)
     m = PCTreeMethod(PCTreeConfig(model=str(tmp_path)), TARGET, dr.embed_tokens.weight.detach())
     n = PENDING_FLUSH_ROWS
-    m.start("long", list(range(n + 3)), rows(n, 1))  # a long prompt goes in at once
+    m.max_context = n + 1
+    # a prompt waits for its request's first step; beyond the drafter's window it never goes in
+    m.start("long", list(range(n + 5)), rows(n + 3, 1))
     m.start("short", list(range(8)), rows(8, 2))
     st, short = m._requests["long"], m._requests["short"]
-    assert (st.ctx.length, st.ctx.next_position, st.pending_rows) == (n, n + 3, 0)
+    assert (st.ctx.length, st.ctx.next_position, st.pending_rows) == (0, 4, n + 1)
     assert (short.ctx.length, short.ctx.next_position, short.pending_rows) == (0, 0, 8)
     tree = FlatTree()
     for step in range(n - 8):  # steps without a tree: one row each, until the bound
         m.observe(["short"], [StepOutcome(tree, 1, [], [], [1], hidden=rows(1, 3 + step))])
     assert (short.ctx.length, short.ctx.next_position, short.pending_rows) == (n, n, 0)
+
+
+def test_method_skips_what_a_paused_request_would_catch_up_on(tmp_path):
+    """A request that does not draft keeps only its last ``catch_up_rows`` rows queued: when
+    it drafts again its context goes on from those, at their true positions, and the
+    drafter is exactly where a request that drafted all along would be for those rows."""
+    dr = make_drafter(seed=4)
+    save_drafter(dr, tmp_path)
+    emb = dr.embed_tokens.weight.detach()
+    m = PCTreeMethod(PCTreeConfig(model=str(tmp_path), catch_up_rows=6), TARGET, emb)
+    every = PCTreeMethod(PCTreeConfig(model=str(tmp_path), catch_up_rows=None), TARGET, emb)
+    prompt = rows(10, 1)
+    for meth in (m, every):
+        meth.start("a", list(range(10)), prompt)
+        meth.skip(["a"], [3])
+    st, all_rows = m._requests["a"], every._requests["a"]
+    assert (st.pending_rows, st.ctx.next_position) == (6, 4)
+    assert (all_rows.pending_rows, all_rows.ctx.next_position) == (10, 0)
+    tree = FlatTree()
+    later = rows(3, 2)
+    for meth in (m, every):
+        for i in range(3):
+            meth.observe(["a"], [StepOutcome(tree, 1, [], [], [1], hidden=later[i: i + 1])])
+        meth.skip(["a"], [1])
+    assert (st.pending_rows, st.ctx.next_position) == (6, 7)
+    assert m.propose(["a"], [5])[0].num_nodes > 0
+    every.propose(["a"], [5])
+    assert (st.ctx.length, st.ctx.next_position) == (6, 13)
+    assert all_rows.ctx.next_position == 13
+    # the kept rows are the last six, at positions 7..12, as in the full context
+    for k, k_all in zip(st.ctx.k, all_rows.ctx.k):
+        torch.testing.assert_close(k[:, :6], k_all[:, 7:13])
+    with pytest.raises(ValueError, match="catch_up_rows"):
+        PCTreeConfig(catch_up_rows=-1)
 
 
 def test_method_lifecycle_and_batching(tmp_path):

@@ -44,6 +44,9 @@ class PCTreeConfig:
     drafter_dtype: str = "auto"  # "auto": see drafter_torch_dtype
     # words drafts are drawn from: None = the drafter folder's default, 0 = all (draft_vocab.py)
     draft_vocab: int | None = None
+    # rows of committed text a request that does not draft keeps for its drafter to catch
+    # up on when it drafts again; older ones are skipped (None: all)
+    catch_up_rows: int | None = 64
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -58,6 +61,8 @@ class PCTreeConfig:
         check_choice("drafter_dtype", self.drafter_dtype, DRAFTER_DTYPES)
         if self.draft_vocab is not None:
             check_int("draft_vocab", self.draft_vocab, 0, 1 << 24)
+        if self.catch_up_rows is not None:
+            check_int("catch_up_rows", self.catch_up_rows, 0, 1 << 20)
         if self.mode == "chain" and self.branching not in (None, 1):
             raise ValueError(f"speculative_config['mode'] = 'chain' is plain DSpark with "
                              f"branching 1, but speculative_config['branching'] = "
