@@ -501,6 +501,13 @@ def test_method_skips_what_a_paused_request_would_catch_up_on(tmp_path):
     # the kept rows are the last six, at positions 7..12, as in the full context
     for k, k_all in zip(st.ctx.k, all_rows.ctx.k):
         torch.testing.assert_close(k[:, :6], k_all[:, 7:13])
+    # 0: a paused request keeps nothing; its next proposal starts from what it had
+    none_kept = PCTreeMethod(PCTreeConfig(model=str(tmp_path), catch_up_rows=0), TARGET, emb)
+    none_kept.start("a", list(range(10)), prompt)
+    none_kept.skip(["a"], [3])
+    z = none_kept._requests["a"]
+    assert (z.pending, z.pending_rows, z.ctx.next_position) == ([], 0, 10)
+    assert none_kept.propose(["a"], [3])[0].num_nodes > 0 and z.ctx.length == 0
     with pytest.raises(ValueError, match="catch_up_rows"):
         PCTreeConfig(catch_up_rows=-1)
 

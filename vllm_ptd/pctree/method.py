@@ -19,6 +19,8 @@ Per request:
 * ``observe``: ``outcome.hidden`` holds the rows ``[root, *accepted]`` of the forward; they
   are appended at the next positions. The new root (the bonus token) has no hidden state
   yet, so the context always ends right before the root, as in DeepSpec.
+* ``skip``: the request sends no tree this step; its queue keeps only its last
+  ``catch_up_rows`` rows (older positions are skipped: drafting quality only).
 * ``propose``: one batched backbone call for all requests (block ``[root, MASK...]`` at the
   root's position), then one batched expansion (``mode``/``k``/``N``/``depth`` from
   :class:`~vllm_ptd.pctree.config.PCTreeConfig`). Unknown requests get an empty tree.
@@ -118,7 +120,7 @@ class _Request:
         if drop <= 0:
             return
         rows = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
-        self.pending, self.pending_rows = [rows[drop:]], limit
+        self.pending, self.pending_rows = ([rows[drop:]] if limit else []), limit
         self.ctx.next_position += drop
 
 
