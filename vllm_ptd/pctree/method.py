@@ -183,8 +183,6 @@ class PCTreeMethod(TreeMethod[_Request]):
         P = len(prompt_token_ids)
         if rows.shape[0] > P:
             raise ValueError(f"prompt_hidden has {rows.shape[0]} rows for a {P}-token prompt")
-        if self.max_context is not None:  # rows the sliding window would drop at once
-            rows = rows[-self.max_context:]
         ctx = self.drafter.new_context(self.max_context)
         ctx.next_position = P - rows.shape[0]  # where the pending prompt rows go
         st = self._requests[req_id] = _Request(ctx)
@@ -192,6 +190,8 @@ class PCTreeMethod(TreeMethod[_Request]):
             # queued, not put in: whether they are depends on the request's first step
             # (``propose`` or ``skip``), which the engine runs right after this
             st.add_pending(rows)
+            if self.max_context is not None:  # rows the sliding window would drop at once
+                st.keep_recent(self.max_context)
 
     def observe(self, req_ids: list[str], outcomes: list[StepOutcome]) -> None:
         if len(req_ids) != len(outcomes):
