@@ -512,6 +512,35 @@ def test_method_skips_what_a_paused_request_would_catch_up_on(tmp_path):
         PCTreeConfig(catch_up_rows=-1)
 
 
+def test_queue_keeps_the_last_rows_of_its_pieces_without_holding_the_rest():
+    """``keep_recent`` over queues of pieces of random sizes: the rows kept are the last
+    ``limit`` rows of the whole queue, positions move by the rows dropped, and a piece cut
+    in two is copied, so a long prompt's dropped rows are not held alive by a view."""
+    from vllm_ptd.pctree.method import _Request
+
+    class Ctx:
+        next_position = 0
+
+    gen = torch.Generator().manual_seed(11)
+    for trial in range(50):
+        st = _Request(Ctx())
+        sizes = torch.randint(1, 9, (int(torch.randint(1, 7, (1,), generator=gen)),),
+                              generator=gen).tolist()
+        pieces = [torch.randn(n, 5, generator=gen) for n in sizes]
+        for piece in pieces:
+            st.add_pending(piece)
+        limit = int(torch.randint(0, sum(sizes) + 3, (1,), generator=gen))
+        st.keep_recent(limit)
+        kept = min(limit, sum(sizes))
+        assert st.pending_rows == kept and st.ctx.next_position == sum(sizes) - kept
+        got = torch.cat(st.pending) if st.pending else torch.empty(0, 5)
+        torch.testing.assert_close(got, torch.cat(pieces)[sum(sizes) - kept:])
+        originals = {p.untyped_storage().data_ptr(): p.shape[0] for p in pieces}
+        for piece in st.pending:
+            ptr = piece.untyped_storage().data_ptr()
+            assert ptr not in originals or originals[ptr] == piece.shape[0]
+
+
 def test_method_lifecycle_and_batching(tmp_path):
     dr = make_drafter(seed=4)
     save_drafter(dr, tmp_path)
