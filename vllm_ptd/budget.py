@@ -695,14 +695,19 @@ class TreeBudget:
 
     * every miss pauses drafting long enough that failed drafting costs at most
       ``EXPLORE_SHARE`` of the engine's time, counting only the share of tries that miss
-      at this batch size (``StepCostModel.batch_bucket``; a running mean over the last
-      ``HIT_MEMORY`` or so). A drafter that costs as much as a step and never pays, like
-      PCTree's on a CPU at 16 requests, then tries once in about 70 steps; one whose tries
-      mostly pay, like PCTree's at batch 1, is hardly paused by a miss; PTD's drafting, a
-      fraction of a millisecond, is never paused for this. Why: in served runs here,
-      PCTree's tries at 3 % of the time regardless of its hits were all it lost to plain
-      decoding at 16 clients, while 1.5 % regardless of its hits (with a margin on
-      ``pays``) held its chain at batch 1 to 1.20x from 1.37x;
+      at this batch size (``StepCostModel.batch_bucket``; hits over tries,
+      ``(hits + 2) / (tries + 4)`` over about the last ``HIT_MEMORY`` tries: before any
+      try, half are taken to pay, with the weight of four). Where fewer
+      than half the tries pay, that share shrinks with the hit rate, down to
+      ``MIN_EXPLORE`` of it: a try is worth what the chance it pays makes it. A drafter
+      that costs as much as a step and never pays, like PCTree's on a CPU at 16 requests,
+      then tries about once in 250 steps; one whose tries mostly pay, like PCTree's at
+      batch 1, is hardly paused by a miss; PTD's drafting, a fraction of a millisecond, is
+      never paused for this. Why: in served runs here, PCTree's tries at 3 % of the time
+      regardless of its hits were all it lost to plain decoding at 16 clients, and at 1.5 %
+      of the time counting its misses they were still most of it (17 tries of a median
+      55 ms in three rounds, none followed by a tree), while 1.5 % regardless of its hits
+      (with a margin on ``pays``) held its chain at batch 1 to 1.20x from 1.37x;
     * after ``MISSES`` misses in a row drafting also pauses for 2, 4, ... up to
       ``MAX_PAUSE`` steps.
 
@@ -711,6 +716,7 @@ class TreeBudget:
     MISSES = 4
     MAX_PAUSE = 64
     EXPLORE_SHARE = 0.015
+    MIN_EXPLORE = 0.25
     HIT_MEMORY = 16
 
     def __init__(self, cost: StepCostModel, acceptance: AcceptanceModel | None = None) -> None:
@@ -722,8 +728,9 @@ class TreeBudget:
         self._misses = 0
         self._pause = 1
         self._skip = 0
-        # batch bucket -> running share of drafting tries whose trees paid
-        self._hit_rate: dict[int, float] = {}
+        # batch bucket -> [tries whose trees paid, tries], each weighing the earlier ones
+        # down by 1 - 1 / HIT_MEMORY
+        self._tries: dict[int, list[float]] = {}
         self.last: Allocation | None = None
 
     def should_draft(self) -> bool:
@@ -733,18 +740,19 @@ class TreeBudget:
         return True
 
     def _tried(self, num_requests: int, paid: bool) -> float:
-        """Counts a try at this batch size; the share of tries that missed there."""
+        """Counts a try at this batch size; the share of tries that paid there."""
         bucket = StepCostModel.batch_bucket(num_requests)
-        rate = self._hit_rate.get(bucket, 0.5)
-        rate += ((1.0 if paid else 0.0) - rate) / self.HIT_MEMORY
-        self._hit_rate[bucket] = rate
-        return 1.0 - rate
+        keep = 1.0 - 1.0 / self.HIT_MEMORY
+        hits, tries = (x * keep for x in self._tries.get(bucket, (0.0, 0.0)))
+        hits, tries = hits + (1.0 if paid else 0.0), tries + 1.0
+        self._tries[bucket] = [hits, tries]
+        return (hits + 2.0) / (tries + 4.0)
 
     def _missed(self, drafting_ms: float, base_rows: int, num_requests: int) -> None:
         plain_ms = max(self.cost.step_ms(base_rows, requests=num_requests), 1e-6)
-        missing = self._tried(num_requests, paid=False)
-        self._skip = max(0, math.ceil(missing * drafting_ms
-                                      / (self.EXPLORE_SHARE * plain_ms)) - 1)
+        hit_rate = self._tried(num_requests, paid=False)
+        share = self.EXPLORE_SHARE * max(self.MIN_EXPLORE, min(1.0, 2.0 * hit_rate))
+        self._skip = max(0, math.ceil((1.0 - hit_rate) * drafting_ms / (share * plain_ms)) - 1)
         self._misses += 1
         if self._misses >= self.MISSES:
             self._misses = 0
