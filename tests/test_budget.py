@@ -313,6 +313,28 @@ def test_expensive_drafting_that_fails_is_paused_to_a_small_share_of_the_time():
     assert budget.should_draft()
 
 
+def test_a_failed_try_is_paused_for_what_it_caught_up_on_too():
+    """Rows a proposal caught up on (a pause's, a new prompt's) do not decide whether its
+    trees pay, since whichever proposal comes first pays them; but a try after a pause pays
+    them again, so the pause after a miss counts them."""
+    cost = linear_cost(50.0, 8.0)
+    hopeless = FlatTree([1], [-1], scores=[0.01], groups=[0])
+    sure = FlatTree([1], [-1], scores=[0.95], groups=[0])
+    pauses = []
+    for catch_up in (0.0, 20.0):
+        budget = TreeBudget(cost)
+        budget.size(["r"], [hopeless], base_rows=1, num_requests=1, drafting_ms=10.0,
+                    catch_up_ms=catch_up)
+        paused = 0
+        while not budget.should_draft():
+            paused += 1
+        pauses.append(paused)
+        budget.size(["r"], [sure], base_rows=1, num_requests=1, drafting_ms=10.0,
+                    catch_up_ms=catch_up)
+        assert budget.last.pays
+    assert pauses[0] >= 5 and pauses[1] >= 2.5 * pauses[0]
+
+
 def test_a_miss_among_tries_that_mostly_pay_hardly_pauses_drafting():
     """The pause after a miss counts only the share of tries that miss at that batch size:
     where nearly every try pays, one miss costs a step or two; at a batch size whose tries

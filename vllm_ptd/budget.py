@@ -748,11 +748,11 @@ class TreeBudget:
         self._tries[bucket] = [hits, tries]
         return (hits + 2.0) / (tries + 4.0)
 
-    def _missed(self, drafting_ms: float, base_rows: int, num_requests: int) -> None:
+    def _missed(self, try_ms: float, base_rows: int, num_requests: int) -> None:
         plain_ms = max(self.cost.step_ms(base_rows, requests=num_requests), 1e-6)
         hit_rate = self._tried(num_requests, paid=False)
         share = self.EXPLORE_SHARE * max(self.MIN_EXPLORE, min(1.0, 2.0 * hit_rate))
-        self._skip = max(0, math.ceil((1.0 - hit_rate) * drafting_ms / (share * plain_ms)) - 1)
+        self._skip = max(0, math.ceil((1.0 - hit_rate) * try_ms / (share * plain_ms)) - 1)
         self._misses += 1
         if self._misses >= self.MISSES:
             self._misses = 0
@@ -761,10 +761,13 @@ class TreeBudget:
 
     def size(self, req_ids: list[str], trees: list[FlatTree], base_rows: int,
              num_requests: int, drafting_ms: float = 0.0,
-             weights: list[float] | None = None) -> list[FlatTree]:
+             weights: list[float] | None = None, catch_up_ms: float = 0.0) -> list[FlatTree]:
         """Each request's tree cut to what pays (``weights``: see ``allocate``); none while
         a plain step of this batch size is not known (``StepCostModel.plain_forward_ms``):
-        it is measured on the next step, and drafting goes on (no miss)."""
+        it is measured on the next step, and drafting goes on (no miss). ``drafting_ms``:
+        what drafting again next step would cost; ``catch_up_ms``: what this proposal spent
+        beyond it on rows earlier steps left (a pause's, a new prompt's), which only the
+        pause after a miss counts."""
         if self.cost.plain_forward_ms(num_requests) is None:
             self.last = Allocation([[] for _ in trees], [0] * len(trees), base_rows,
                                    expected=[0.0] * len(trees))
@@ -782,7 +785,12 @@ class TreeBudget:
             self._misses, self._pause = 0, 1
             self._tried(num_requests, paid=True)
         else:
-            self._missed(drafting_ms, base_rows, num_requests)
+            # what the failed try cost, the rows it caught up on included: ``pays`` leaves
+            # them out (whichever proposal comes first pays them), but a try after a pause
+            # pays them again, so each isolated try costs them (at 16 requests here a try's
+            # catch-up was more than half of its 25-30 ms, and pauses priced without it let
+            # tries run every 14-39 steps, 1.3 % of the time, where none paid)
+            self._missed(drafting_ms + catch_up_ms, base_rows, num_requests)
         return [t.select(v, d) for t, v, d in zip(trees, alloc.verify, alloc.draft)]
 
     def observe(self, req_id: str, tree: FlatTree, accepted: list[int]) -> None:

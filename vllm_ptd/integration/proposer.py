@@ -585,7 +585,8 @@ class TreeProposer:
             with self.clock.part("budget"):
                 trees = self.budget.size(ready_ids, trees, base_rows=ib.num_reqs,
                                          num_requests=ib.num_reqs, drafting_ms=drafting_ms,
-                                         weights=self._batch_end_weights(ready_b))
+                                         weights=self._batch_end_weights(ready_b),
+                                         catch_up_ms=method.catch_up_ms)
             self._expected = dict(zip(ready_ids, self.budget.last.expected))
             self._predicted_ms = self.budget.last.step_ms
             self._sized_requests = ib.num_reqs
