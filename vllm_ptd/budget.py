@@ -701,7 +701,8 @@ class TreeBudget:
       than half the tries pay, that share shrinks with the hit rate, down to
       ``MIN_EXPLORE`` of it: a try is worth what the chance it pays makes it. A drafter
       that costs as much as a step and never pays, like PCTree's on a CPU at 16 requests,
-      then tries about once in 250 steps; one whose tries mostly pay, like PCTree's at
+      then tries about once in 100 steps once its misses add up (priced with the rows a
+      try catches up on: see ``size``); one whose tries mostly pay, like PCTree's at
       batch 1, is hardly paused by a miss; PTD's drafting, a fraction of a millisecond, is
       never paused for this. Why: in served runs here, PCTree's tries at 3 % of the time
       regardless of its hits were all it lost to plain decoding at 16 clients, and at 1.5 %
