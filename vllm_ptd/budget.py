@@ -696,8 +696,8 @@ class TreeBudget:
     * every miss pauses drafting long enough that failed drafting costs at most
       ``EXPLORE_SHARE`` of the engine's time, counting only the share of tries that miss
       at this batch size (``StepCostModel.batch_bucket``; hits over tries,
-      ``(hits + 2) / (tries + 4)`` over about the last ``HIT_MEMORY`` tries: before any
-      try, half are taken to pay, with the weight of four). Where fewer
+      ``(hits + PRIOR_TRIES / 2) / (tries + PRIOR_TRIES)`` over about the last
+      ``HIT_MEMORY`` tries). Where fewer
       than half the tries pay, that share shrinks with the hit rate, down to
       ``MIN_EXPLORE`` of it: a try is worth what the chance it pays makes it. A drafter
       that costs as much as a step and never pays, like PCTree's on a CPU at 16 requests,
@@ -719,6 +719,7 @@ class TreeBudget:
     EXPLORE_SHARE = 0.015
     MIN_EXPLORE = 0.25
     HIT_MEMORY = 16
+    PRIOR_TRIES = 4.0  # before any try at a batch size: this many, half of them hits
 
     def __init__(self, cost: StepCostModel, acceptance: AcceptanceModel | None = None) -> None:
         self.cost = cost
@@ -747,12 +748,13 @@ class TreeBudget:
         hits, tries = (x * keep for x in self._tries.get(bucket, (0.0, 0.0)))
         hits, tries = hits + (1.0 if paid else 0.0), tries + 1.0
         self._tries[bucket] = [hits, tries]
-        return (hits + 2.0) / (tries + 4.0)
+        return (hits + self.PRIOR_TRIES / 2) / (tries + self.PRIOR_TRIES)
 
     def _missed(self, try_ms: float, base_rows: int, num_requests: int) -> None:
         plain_ms = max(self.cost.step_ms(base_rows, requests=num_requests), 1e-6)
         hit_rate = self._tried(num_requests, paid=False)
-        share = self.EXPLORE_SHARE * max(self.MIN_EXPLORE, min(1.0, 2.0 * hit_rate))
+        # the full share while half the tries or more pay (as the prior has it), less below
+        share = self.EXPLORE_SHARE * max(self.MIN_EXPLORE, min(1.0, hit_rate / 0.5))
         self._skip = max(0, math.ceil((1.0 - hit_rate) * try_ms / (share * plain_ms)) - 1)
         self._misses += 1
         if self._misses >= self.MISSES:
