@@ -660,6 +660,68 @@ def test_finished_requests_leave_no_heap_behind():
 
     rng = random.Random(5)
     texts = [[rng.randrange(3, 400) for _ in range(rng.randrange(40, 120))] for _ in range(12)]
-    left = measure_churn(PTDConfig().resolved("cpu"), texts, requests=6, gen_tokens=24,
-                         rounds=5)
+    # the history of finished texts grows by design up to its cap (its own test below)
+    left = measure_churn(PTDConfig(history_tokens=0).resolved("cpu"), texts, requests=6,
+                         gen_tokens=24, rounds=5)
     assert max(left[1:]) <= left[0] + 8 * 1024, left
+
+
+# ---------------------------------------------------------------------------- history
+def test_history_matches_earlier_texts_without_reading_across_them():
+    from vllm_ptd.ptd.history import TextHistory, prompt_key
+
+    h = TextHistory(max_tokens=1000, max_match=4, min_match=2)
+    assert h.find([1, 2], 4, prompt_key([9])) is None
+    h.add(prompt_key([9]), [5, 1, 2, 3, 4])
+    h.add(prompt_key([8]), [7, 7, 1, 2])  # [1, 2] again at its end: nothing follows it
+    m = h.find([6, 1, 2], 4, prompt_key([7]))
+    # only the first text continues [1, 2]; the second's ends at the separator
+    assert m.length == 2 and m.root.count == 1
+    assert list(m.root.children) == [3] and list(m.root.children[3].children) == [4]
+    assert h.find([5, 1, 2], 4, 0).length == 3  # the longest match wins
+
+
+def test_history_leaves_out_texts_of_the_same_prompt_when_asked():
+    from vllm_ptd.ptd.history import TextHistory, prompt_key
+
+    for same_prompt, expect in ((True, {3: 1, 4: 1}), (False, {4: 1})):
+        h = TextHistory(1000, 4, 2, same_prompt=same_prompt)
+        h.add(prompt_key([1]), [1, 2, 3])
+        h.add(prompt_key([9]), [1, 2, 4])
+        m = h.find([0, 1, 2], 2, prompt_key([1]))
+        assert {t: c.count for t, c in m.root.children.items()} == expect
+
+
+def test_history_keeps_the_newest_texts_under_its_cap():
+    from vllm_ptd.ptd.history import TextHistory
+
+    rng = random.Random(3)
+    h = TextHistory(max_tokens=500, max_match=8, min_match=2)
+    sizes = []
+    for k in range(200):
+        h.add(k, [rng.randrange(3, 60) for _ in range(rng.randrange(20, 90))] + [1000 + k, 7, 8])
+        sizes.append((len(h.index), h.nbytes()))
+    assert max(n for n, _ in sizes) <= 2 * 500 + 100  # the index is rebuilt at twice the cap
+    assert max(b for _, b in sizes[100:]) <= 1.5 * max(b for _, b in sizes[:100])
+    assert list(h.find([1000 + 199, 7], 2, -1).root.children) == [8]  # the newest text
+    assert h.find([1000 + 2, 7], 2, -1) is None  # long dropped
+    assert h.find([7, 8], 2, -1) is None         # nothing followed any text's end
+    assert h.find([1000 + 199], 2, -1) is None   # a one-token query matches nothing
+
+
+def test_ptd_candidates_come_from_finished_requests():
+    cfg = PTDConfig(max_verify_nodes=6, max_draft_nodes=0).resolved("cpu")
+    m = PTDMethod(cfg, [0])
+    m.start("a", [11, 12, 13, 14, 15, 16])
+    m.finish("a")
+    m.start("b", [20, 21, 13])  # the prefill samples 14: [13, 14] is new to its own text
+    tree = m.propose(["b"], [14])[0]
+    from vllm_ptd.ptd.candidates import HISTORY_GROUPS
+
+    assert tree.tokens[:2] == [15, 16] and tree.groups[:2] == [HISTORY_GROUPS + 2] * 2
+    off = PTDMethod(PTDConfig(max_verify_nodes=6, max_draft_nodes=0, history_tokens=0)
+                    .resolved("cpu"), [0])
+    off.start("a", [11, 12, 13, 14, 15, 16])
+    off.finish("a")
+    off.start("b", [20, 21, 13])
+    assert off.propose(["b"], [14])[0].num_verify == 0

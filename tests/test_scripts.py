@@ -21,7 +21,9 @@ def test_parse_methods_adds_plain_and_checks_keys():
     assert [m.label for m in parsed][0] == "none"
     ngram = parsed[1]
     assert ngram.spec["num_speculative_tokens"] == 3 and ngram.spec["prompt_lookup_max"] == 5
-    assert parsed[2].spec == {"method": "ptd", "max_verify_nodes": 6, "max_draft_nodes": 4}
+    # PTD leaves out the texts of its own prompt's earlier runs (repeats would copy them)
+    assert parsed[2].spec == {"method": "ptd", "history_same_prompt": False,
+                              "max_verify_nodes": 6, "max_draft_nodes": 4}
     with pytest.raises(ValueError, match="given twice"):
         methods.parse_methods("ptd,ptd")
     with pytest.raises(ValueError, match="max_verfy_nodes"):
@@ -34,7 +36,8 @@ def test_a_method_runs_again_under_a_tag():
     parsed = methods.parse_methods("none,none@2,ptd@b:max_verify_nodes=6")
     assert [(m.label, m.name) for m in parsed] == [
         ("none", "none"), ("none@2", "none"), ("ptd@b:max_verify_nodes=6", "ptd")]
-    assert parsed[1].spec is None and parsed[2].spec == {"method": "ptd", "max_verify_nodes": 6}
+    assert parsed[1].spec is None and parsed[2].spec == {
+        "method": "ptd", "history_same_prompt": False, "max_verify_nodes": 6}
     with pytest.raises(ValueError, match="none@"):
         methods.parse_methods("none@")
 

@@ -19,7 +19,9 @@ Methods (``--methods``, comma separated; ``name:key=value:...``):
                              {"method": "ngram", "num_speculative_tokens": K,
                               "prompt_lookup_min": 2, "prompt_lookup_max": 5} (the values of
                              vLLM's examples/offline_inference/spec_decode.py); keys override
-  ptd[:key=value...]         {"method": "ptd", key: value, ...}     (vllm_ptd.ptd.config.PTDConfig)
+  ptd[:key=value...]         {"method": "ptd", "history_same_prompt": false, key: value, ...}
+                             (vllm_ptd.ptd.config.PTDConfig): earlier requests' texts, but
+                             not those of the same prompt, which a repeat would copy
   pctree[:key=value...]      {"method": "pctree", key: value, ...}  (vllm_ptd.pctree.config)
   suffix[:key=value...]      vLLM's suffix decoding (needs arctic-inference: scripts/setup.sh
                              --with-suffix; skipped with a note when it is missing), with

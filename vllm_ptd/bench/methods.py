@@ -9,6 +9,10 @@ DEFAULT_METHODS = "none,ngram:6,ptd,pctree:mode=chain,pctree"
 
 # suffix decoding without its cross-request cache (see parse_method)
 SUFFIX_DEFAULTS = {"suffix_decoding_max_cached_requests": 0}
+# PTD reads the texts of the engine's earlier requests, but not those of the same prompt: a
+# benchmark repeats its prompts, and every repeat would copy the previous one's outputs
+# (as suffix decoding's cache would, which is why it runs without one). Keys override.
+TREE_DEFAULTS = {"ptd": {"history_same_prompt": False}}
 # vLLM's own example (examples/offline_inference/spec_decode.py) uses these lookup sizes.
 NGRAM_DEFAULTS = {"prompt_lookup_min": 2, "prompt_lookup_max": 5}
 
@@ -84,7 +88,7 @@ def parse_method(text: str) -> Method:
         return Method(label, "suffix", {"method": "suffix", **SUFFIX_DEFAULTS,
                                         **_key_values(parts[1:], label)})
     if name in method_names():
-        spec = {"method": name, **_key_values(parts[1:], label)}
+        spec = {"method": name, **TREE_DEFAULTS.get(name, {}), **_key_values(parts[1:], label)}
         from vllm_ptd.config import parse_speculative_config
 
         parse_speculative_config(dict(spec))  # unknown keys / bad values fail here, early

@@ -42,6 +42,12 @@ class PTDConfig:
     match: str = "suffix"
     max_match: int = 8
     min_match: int = 2
+    # with match "suffix": tokens of finished requests' texts (prompt and output) kept
+    # engine-wide, where the text's suffix is also looked up (vllm_ptd.ptd.history); 0: off
+    history_tokens: int = 100_000
+    # whether a request reads the texts of earlier requests with the same prompt (off in the
+    # benchmark, whose repeats would otherwise copy the previous repeat's outputs)
+    history_same_prompt: bool = True
     budget: str = "auto"                # "auto"/"per_step": sized by the cost model; "fixed": the caps
 
     def __post_init__(self) -> None:
@@ -67,6 +73,8 @@ class PTDConfig:
         if self.min_match > self.max_match:
             raise ValueError(f"speculative_config['min_match'] = {self.min_match} exceeds "
                              f"speculative_config['max_match'] = {self.max_match}")
+        check_int("history_tokens", self.history_tokens, 0, 100_000_000)
+        check_bool("history_same_prompt", self.history_same_prompt)
         check_choice("budget", self.budget, BUDGET_MODES)
 
     def resolved(self, device: str, target_config: Any = None) -> "PTDConfig":

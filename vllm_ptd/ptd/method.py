@@ -27,6 +27,7 @@ from vllm_ptd.ptd.candidate_pool import CandidatePool
 from vllm_ptd.ptd.candidates import build_candidates
 from vllm_ptd.ptd.config import PTDConfig
 from vllm_ptd.ptd.draft_tree import DraftTree
+from vllm_ptd.ptd.history import TextHistory, prompt_key
 from vllm_ptd.ptd.seeding import Seeding, make_seeding
 from vllm_ptd.ptd.suffix_index import SuffixIndex
 from vllm_ptd.tree import FlatTree
@@ -43,7 +44,7 @@ DRAFT_PRIOR_HITS, DRAFT_PRIOR_ROWS = 2.0, 20.0
 class PTDRequest:
     """One request's PTD state."""
 
-    __slots__ = ("req_id", "draft", "pool", "rng", "text", "prompt_len", "last",
+    __slots__ = ("req_id", "draft", "pool", "rng", "text", "prompt_len", "prompt_key", "last",
                  "expected_last", "steps", "seen", "unpooled")
 
     def __init__(self, req_id: str, draft: DraftTree, pool: CandidatePool,
@@ -54,6 +55,7 @@ class PTDRequest:
         self.rng = rng
         self.text = text  # committed tokens (prompt then output), indexed by suffix
         self.prompt_len = prompt_len
+        self.prompt_key = prompt_key(text.tokens[:prompt_len])
         self.last: int | None = None           # root token of the last proposal
         self.expected_last: int | None = None  # last committed token seen by observe
         self.steps = 0
@@ -99,6 +101,10 @@ class PTDMethod(TreeMethod[PTDRequest]):
         self.draft_hits = 0.0  # draft-only candidates accepted, over all requests
         self.draft_rows = 0.0  # draft rows that ran
         self._clock = 0        # observe calls, for the coldest-pool order
+        # finished requests' texts, where a suffix is looked up as in the request's own
+        self.history = TextHistory(config.history_tokens, config.max_match, config.min_match,
+                                   config.history_same_prompt) \
+            if config.match == "suffix" and config.history_tokens > 0 else None
 
     @property
     def max_tree_nodes(self) -> int:
@@ -122,6 +128,13 @@ class PTDMethod(TreeMethod[PTDRequest]):
 
     def state(self, req_id: str) -> PTDRequest:
         return self._requests[req_id]
+
+    def finish(self, req_id: str) -> None:
+        """The request's text goes into the history (a preempted request's text so far too:
+        it is what the model wrote)."""
+        st = self._requests.pop(req_id, None)
+        if st is not None and self.history is not None:
+            self.history.add(st.prompt_key, st.text.tokens)
 
     # ------------------------------------------------------------------ helpers
     def _refill(self, st: PTDRequest) -> None:
@@ -190,7 +203,9 @@ class PTDMethod(TreeMethod[PTDRequest]):
             # as deep as the tree may be: a long earlier match (code, quoted text) is often
             # followed by a long run of the same tokens
             match = st.text.continuations(c.max_verify_nodes) if suffix else None
-            cand = build_candidates(st.pool, last, match, c.max_verify_nodes)
+            hist = self.history.find(st.text.tokens, c.max_verify_nodes, st.prompt_key) \
+                if self.history is not None else None
+            cand = build_candidates(st.pool, last, match, c.max_verify_nodes, history=hist)
             groups = [DRAFT_GROUP if d else g for g, d in zip(cand.groups, cand.draft_only)]
             tree = st.draft.to_flat((cand.tokens, cand.parents), causal=self.causal)
             tree.scores, tree.groups = cand.scores, groups
@@ -217,8 +232,9 @@ class PTDMethod(TreeMethod[PTDRequest]):
                 break
 
     def nbytes(self) -> int:
-        """About how much memory all requests' state holds."""
-        return sum(st.nbytes() for st in self._requests.values())
+        """About how much memory all requests' state and the history hold."""
+        return sum(st.nbytes() for st in self._requests.values()) + \
+            (self.history.nbytes() if self.history is not None else 0)
 
     def observe(self, req_ids: list[str], outcomes: list[StepOutcome]) -> None:
         self._clock += 1

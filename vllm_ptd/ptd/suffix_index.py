@@ -14,6 +14,11 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
+from typing import Callable
+
+# between two texts in one index (``TextHistory``): no token id, so no query matches across
+# it and a continuation stops there
+SEPARATOR = -1
 
 
 @dataclass
@@ -74,19 +79,30 @@ class SuffixIndex:
         """The longest suffix (``min_match`` .. ``max_match`` tokens) seen before, with a trie
         of the (up to ``depth``-token) continuations of its most recent ``max_occurrences``
         occurrences; None if there is none."""
+        return self.find(self.tokens, depth, before=len(self.tokens))
+
+    def find(self, query: list[int], depth: int, before: int | None = None,
+             skip: Callable[[int], bool] | None = None) -> SuffixMatch | None:
+        """The longest suffix of ``query`` (``min_match`` .. ``max_match`` tokens) in this
+        index, as ``continuations``: only occurrences that end before position ``before``
+        (None: anywhere) and that ``skip`` does not refuse (it gets an occurrence's end
+        position). A continuation stops at ``SEPARATOR``, so texts appended one after
+        another with it between them (``TextHistory``) are never read across."""
         toks = self.tokens
-        end = len(toks)
-        if end < 2:
+        q_end = len(query)
+        if q_end < 2:
             return None
-        occ = self._ends.get((toks[-2] << 32) | toks[-1])
-        if occ is None or len(occ) < 2:
+        occ = self._ends.get((query[-2] << 32) | query[-1])
+        if occ is None:
             return None
+        limit = len(toks) if before is None else before
         best, found = 0, []
         for p in reversed(occ[-self.SCAN - 1:]):
-            if p >= end:
-                continue  # the suffix itself: nothing follows it yet
+            if p >= limit or (skip is not None and skip(p)):
+                continue  # the query's own suffix (nothing follows it yet), or refused
             n = 2
-            while n < self.max_match and p - n - 1 >= 0 and toks[p - n - 1] == toks[end - n - 1]:
+            while n < self.max_match and p - n - 1 >= 0 and q_end - n - 1 >= 0 \
+                    and toks[p - n - 1] == query[q_end - n - 1]:
                 n += 1
             if n > best:
                 best, found = n, [p]
@@ -96,7 +112,9 @@ class SuffixIndex:
             return None
         root = SuffixTrieNode(token=-1)
         for p in found:
-            cont = toks[p: min(p + depth, end)]
+            cont = toks[p: min(p + depth, limit)]
+            if SEPARATOR in cont:
+                cont = cont[: cont.index(SEPARATOR)]
             if not cont:
                 continue
             root.count += 1

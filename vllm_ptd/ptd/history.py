@@ -1,0 +1,93 @@
+"""TextHistory: the texts of the engine's finished requests, matched like a request's own.
+
+A request's own text has nothing to offer at a token it has not written before: in runs here
+(batch 1, MT-Bench, GSM8K, HumanEval and MBPP, 128 tokens) that was 44 % of PTD's steps,
+and they went without a tree. Requests of one kind share much of their text (a code
+answer's ``    return``, a maths answer's closing sentence, the chat template), so the
+longest suffix of the request's text is also looked up in what earlier requests wrote, as
+suffix decoding does with its cache of earlier responses. Replaying the benchmark's plain
+outputs, this raised the tokens a step gained from copied text by about 8 % with the texts
+of the run's earlier prompts, 17 % with eight other prompts of each dataset.
+
+Texts go in when their request finishes (prompt and output), one after another with
+``SEPARATOR`` between them, up to ``max_tokens`` tokens (the oldest texts go first). With
+``same_prompt`` off, a request does not read the texts of requests with the same prompt:
+a benchmark that repeats its prompts would otherwise serve every repeat from the outputs of
+the one before.
+"""
+from __future__ import annotations
+
+import bisect
+import zlib
+from array import array
+
+from vllm_ptd.ptd.suffix_index import SEPARATOR, SuffixIndex, SuffixMatch
+
+
+def prompt_key(prompt: list[int]) -> int:
+    """A short fingerprint of a prompt (equal prompts, equal keys)."""
+    data = b"".join(int(t).to_bytes(4, "little", signed=True) for t in prompt)
+    return zlib.crc32(data) ^ (len(prompt) << 32)
+
+
+class TextHistory:
+    def __init__(self, max_tokens: int, max_match: int, min_match: int,
+                 same_prompt: bool = True) -> None:
+        self.max_tokens = max_tokens
+        self.max_match, self.min_match = max_match, min_match
+        self.same_prompt = same_prompt
+        self._texts: list[tuple[int, list[int]]] = []  # (prompt key, tokens), oldest first
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        self.index = SuffixIndex(self.max_match, self.min_match)
+        self._starts = array("q")  # where each text starts in the index
+        self._keys: list[int] = []
+        for key, tokens in self._texts:
+            self._append(key, tokens)
+
+    def _append(self, key: int, tokens: list[int]) -> None:
+        self._starts.append(len(self.index))
+        self._keys.append(key)
+        self.index.extend(tokens)
+        self.index.extend([SEPARATOR])
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for _, t in self._texts)
+
+    def add(self, prompt_key_: int, tokens: list[int]) -> None:
+        """A finished request's text (its last ``max_tokens`` tokens at most)."""
+        if self.max_tokens <= 0 or len(tokens) < 2:
+            return
+        tokens = list(tokens[-self.max_tokens:])
+        self._texts.append((prompt_key_, tokens))
+        self._append(prompt_key_, tokens)
+        # the index keeps dropped texts until it holds twice the cap, then is built again
+        # from the texts kept: each token is indexed at most twice on average
+        if len(self.index) > 2 * self.max_tokens:
+            total, keep = 0, 0
+            for _, t in reversed(self._texts):
+                if total + len(t) > self.max_tokens:
+                    break
+                total += len(t)
+                keep += 1
+            self._texts = self._texts[len(self._texts) - keep:]
+            self._rebuild()
+
+    def find(self, text: list[int], depth: int, prompt_key_: int) -> SuffixMatch | None:
+        """The longest suffix of ``text`` in the history, with its continuations (see
+        ``SuffixIndex.find``); the texts of requests with this prompt are left out when
+        ``same_prompt`` is off."""
+        if not self._texts:
+            return None
+        skip = None
+        if not self.same_prompt:
+            starts, keys = self._starts, self._keys
+
+            def skip(end: int) -> bool:
+                return keys[bisect.bisect_right(starts, end - 1) - 1] == prompt_key_
+        return self.index.find(text, depth, skip=skip)
+
+    def nbytes(self) -> int:
+        return self.index.nbytes() + 8 * len(self._starts) + 36 * self.num_tokens
