@@ -81,13 +81,13 @@ class TextHistory:
         ``same_prompt`` is off."""
         if not self._texts:
             return None
-        skip = None
-        if not self.same_prompt:
-            starts, keys = self._starts, self._keys
+        if self.same_prompt:
+            return self.index.find(text, depth)
+        starts, keys = self._starts, self._keys
 
-            def skip(end: int) -> bool:
-                return keys[bisect.bisect_right(starts, end - 1) - 1] == prompt_key_
-        return self.index.find(text, depth, skip=skip)
+        def same_prompt(end: int) -> bool:
+            return keys[bisect.bisect_right(starts, end - 1) - 1] == prompt_key_
+        return self.index.find(text, depth, skip=same_prompt)
 
     def nbytes(self) -> int:
         return self.index.nbytes() + 8 * len(self._starts) + 36 * self.num_tokens
