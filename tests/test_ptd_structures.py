@@ -670,7 +670,7 @@ def test_finished_requests_leave_no_heap_behind():
 def test_history_matches_earlier_texts_without_reading_across_them():
     from vllm_ptd.ptd.history import TextHistory, prompt_key
 
-    h = TextHistory(max_tokens=1000, max_match=4, min_match=2)
+    h = TextHistory(max_tokens=1000, max_match=4)
     assert h.find([1, 2], 4, prompt_key([9])) is None
     h.add(prompt_key([9]), [5, 1, 2, 3, 4])
     h.add(prompt_key([8]), [7, 7, 1, 2])  # [1, 2] again at its end: nothing follows it
@@ -679,13 +679,15 @@ def test_history_matches_earlier_texts_without_reading_across_them():
     assert m.length == 2 and m.root.count == 1
     assert list(m.root.children) == [3] and list(m.root.children[3].children) == [4]
     assert h.find([5, 1, 2], 4, 0).length == 3  # the longest match wins
+    one = h.find([42, 3], 4, 0)  # no earlier [42, 3]: what followed 3 alone
+    assert one.length == 1 and list(one.root.children) == [4]
 
 
 def test_history_leaves_out_texts_of_the_same_prompt_when_asked():
     from vllm_ptd.ptd.history import TextHistory, prompt_key
 
     for same_prompt, expect in ((True, {3: 1, 4: 1}), (False, {4: 1})):
-        h = TextHistory(1000, 4, 2, same_prompt=same_prompt)
+        h = TextHistory(1000, 4, same_prompt=same_prompt)
         h.add(prompt_key([1]), [1, 2, 3])
         h.add(prompt_key([9]), [1, 2, 4])
         m = h.find([0, 1, 2], 2, prompt_key([1]))
@@ -696,17 +698,17 @@ def test_history_keeps_the_newest_texts_under_its_cap():
     from vllm_ptd.ptd.history import TextHistory
 
     rng = random.Random(3)
-    h = TextHistory(max_tokens=500, max_match=8, min_match=2)
+    h = TextHistory(max_tokens=500, max_match=8)
     sizes = []
     for k in range(200):
-        h.add(k, [rng.randrange(3, 60) for _ in range(rng.randrange(20, 90))] + [1000 + k, 7, 8])
+        h.add(k, [rng.randrange(3, 60) for _ in range(rng.randrange(20, 90))]
+              + [1000 + k, 5000, 5001])
         sizes.append((len(h.index), h.nbytes()))
     assert max(n for n, _ in sizes) <= 2 * 500 + 100  # the index is rebuilt at twice the cap
     assert max(b for _, b in sizes[100:]) <= 1.5 * max(b for _, b in sizes[:100])
-    assert list(h.find([1000 + 199, 7], 2, -1).root.children) == [8]  # the newest text
-    assert h.find([1000 + 2, 7], 2, -1) is None  # long dropped
-    assert h.find([7, 8], 2, -1) is None         # nothing followed any text's end
-    assert h.find([1000 + 199], 2, -1) is None   # a one-token query matches nothing
+    assert h.find([1000 + 199, 5000], 2, -1).length == 2  # the newest text
+    assert h.find([1000 + 2, 5000], 2, -1).length == 1    # long dropped: 5000 alone matches
+    assert h.find([5000, 5001], 2, -1) is None            # nothing followed any text's end
 
 
 def test_ptd_candidates_come_from_finished_requests():

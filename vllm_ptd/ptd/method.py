@@ -102,7 +102,7 @@ class PTDMethod(TreeMethod[PTDRequest]):
         self.draft_rows = 0.0  # draft rows that ran
         self._clock = 0        # observe calls, for the coldest-pool order
         # finished requests' texts, where a suffix is looked up as in the request's own
-        self.history = TextHistory(config.history_tokens, config.max_match, config.min_match,
+        self.history = TextHistory(config.history_tokens, config.max_match,
                                    config.history_same_prompt) \
             if config.match == "suffix" and config.history_tokens > 0 else None
 

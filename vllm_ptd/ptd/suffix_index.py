@@ -42,38 +42,46 @@ class SuffixIndex:
     occurrences of its last two tokens by comparing backwards (at most ``max_match`` tokens
     each). Memory: the tokens, one position per token and one dictionary entry per distinct
     bigram (about 100 bytes a token at worst, against a kilobyte for a table of every
-    n-gram)."""
+    n-gram). With ``min_match`` 1 the end positions of every token are kept as well, for
+    the one-token match when no bigram matches."""
 
     SCAN = 64  # most recent occurrences of the last bigram compared per lookup
 
     def __init__(self, max_match: int = 8, min_match: int = 2, max_occurrences: int = 8) -> None:
-        if not 2 <= min_match <= max_match:
-            raise ValueError(f"suffix match lengths: need 2 <= min {min_match} <= max {max_match}")
+        if not 1 <= min_match <= max_match or max_match < 2:
+            raise ValueError(f"suffix match lengths: need 1 <= min {min_match} <= max "
+                             f"{max_match}, max >= 2")
         self.max_match = max_match
         self.min_match = min_match
         self.max_occurrences = max_occurrences
         self.tokens: list[int] = []
         self._ends: dict[int, array] = {}  # bigram (a << 32 | b) -> end positions, oldest first
+        # token -> end positions, oldest first (only with min_match 1)
+        self._token_ends: dict[int, array] | None = {} if min_match == 1 else None
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def extend(self, tokens) -> None:
         """Append committed tokens; index the bigram that ends at each."""
-        toks, ends = self.tokens, self._ends
+        toks, ends, singles = self.tokens, self._ends, self._token_ends
         for t in tokens:
             toks.append(int(t))
             n = len(toks)
+            if singles is not None:
+                self._add_end(singles, toks[-1], n)
             if n < 2:
                 continue
-            key = (toks[-2] << 32) | toks[-1]
-            occ = ends.get(key)
-            if occ is None:
-                ends[key] = array("i", [n])
-            else:
-                occ.append(n)
-                if len(occ) > 2 * self.SCAN:  # bounded: keep the most recent
-                    del occ[: len(occ) - self.SCAN]
+            self._add_end(ends, (toks[-2] << 32) | toks[-1], n)
+
+    def _add_end(self, table: dict[int, array], key: int, n: int) -> None:
+        occ = table.get(key)
+        if occ is None:
+            table[key] = array("i", [n])
+        else:
+            occ.append(n)
+            if len(occ) > 2 * self.SCAN:  # bounded: keep the most recent
+                del occ[: len(occ) - self.SCAN]
 
     def continuations(self, depth: int) -> SuffixMatch | None:
         """The longest suffix (``min_match`` .. ``max_match`` tokens) seen before, with a trie
@@ -92,11 +100,9 @@ class SuffixIndex:
         q_end = len(query)
         if q_end < 2:
             return None
-        occ = self._ends.get((query[-2] << 32) | query[-1])
-        if occ is None:
-            return None
         limit = len(toks) if before is None else before
         best, found = 0, []
+        occ = self._ends.get((query[-2] << 32) | query[-1], ())
         for p in reversed(occ[-self.SCAN - 1:]):
             if p >= limit or (skip is not None and skip(p)):
                 continue  # the query's own suffix (nothing follows it yet), or refused
@@ -108,7 +114,14 @@ class SuffixIndex:
                 best, found = n, [p]
             elif n == best and len(found) < self.max_occurrences:
                 found.append(p)
-        if best < self.min_match:
+        if not found and self._token_ends is not None:  # the last token alone
+            best = 1
+            for p in reversed(self._token_ends.get(query[-1], ())):
+                if p < limit and (skip is None or not skip(p)):
+                    found.append(p)
+                    if len(found) == self.max_occurrences:
+                        break
+        if best < self.min_match or not found:
             return None
         root = SuffixTrieNode(token=-1)
         for p in found:
@@ -129,4 +142,5 @@ class SuffixIndex:
 
     def nbytes(self) -> int:
         """About how much memory the index holds (for memory accounting)."""
-        return 8 * len(self.tokens) + sum(140 + 4 * len(v) for v in self._ends.values())
+        tables = [self._ends] + ([self._token_ends] if self._token_ends is not None else [])
+        return 8 * len(self.tokens) + sum(140 + 4 * len(v) for t in tables for v in t.values())
