@@ -2,6 +2,8 @@
 
   python scripts/bench_state_memory.py --requests 1,64,512 --gen-tokens 512
   python scripts/bench_state_memory.py --requests 32 --gen-tokens 64 --churn-rounds 8
+  python scripts/bench_state_memory.py --requests 32 --gen-tokens 64 --churn-rounds 80 \
+      --history-tokens 100000
 
 Each request starts with a benchmark prompt (chat template applied) and then commits
 ``--gen-tokens`` tokens, one step at a time, as a decoding engine would: every step it
@@ -9,7 +11,10 @@ proposes a tree, and the outcome commits the next token of a text (another promp
 text is real but not a copy of the request's own) and grows the draft tree from arbitrary
 argmax tokens. Reported per configuration: Python heap bytes per request (``tracemalloc``,
 the state's true size), the method's own estimate (``PTDMethod.nbytes``), and the nodes all
-pools hold against the engine-wide cap ``engine_pool_nodes``.
+pools hold against the engine-wide cap ``engine_pool_nodes``. With ``--churn-rounds`` the
+finished requests' texts go into the engine's history (``history_tokens``; off unless
+``--history-tokens`` is given, so that the rounds show the per-request state alone): it
+grows until it holds its cap, then stays under twice that.
 """
 from __future__ import annotations
 
@@ -113,9 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--churn-rounds", type=int, default=0,
                     help="instead: this many rounds of --requests requests that start, decode "
                          "and finish; the heap left after each round")
+    ap.add_argument("--history-tokens", type=int, default=0,
+                    help="the engine's history of finished texts (PTDConfig.history_tokens; "
+                         "default 0: off)")
     ap.add_argument("--out", default=None, help="JSON file for the records")
     args = ap.parse_args(argv)
-    opts = {} if args.engine_pool_nodes is None else {"engine_pool_nodes": args.engine_pool_nodes}
+    opts = {"history_tokens": args.history_tokens}
+    if args.engine_pool_nodes is not None:
+        opts["engine_pool_nodes"] = args.engine_pool_nodes
     config = PTDConfig(**opts).resolved("cpu")
     texts = _texts(default_model_path(), max(args.requests))
     if args.churn_rounds:
