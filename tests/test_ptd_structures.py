@@ -668,13 +668,13 @@ def test_finished_requests_leave_no_heap_behind():
 
 # ---------------------------------------------------------------------------- history
 def test_history_matches_earlier_texts_without_reading_across_them():
-    from vllm_ptd.ptd.history import TextHistory, prompt_key
+    from vllm_ptd.ptd.history import TextHistory
 
     h = TextHistory(max_tokens=1000, max_match=4)
-    assert h.find([1, 2], 4, prompt_key([9])) is None
-    h.add(prompt_key([9]), [5, 1, 2, 3, 4])
-    h.add(prompt_key([8]), [7, 7, 1, 2])  # [1, 2] again at its end: nothing follows it
-    m = h.find([6, 1, 2], 4, prompt_key([7]))
+    assert h.find([1, 2], 4, 9) is None
+    h.add(9, [5, 1, 2, 3, 4])
+    h.add(8, [7, 7, 1, 2])  # [1, 2] again at its end: nothing follows it
+    m = h.find([6, 1, 2], 4, 7)
     # only the first text continues [1, 2]; the second's ends at the separator
     assert m.length == 2 and m.root.count == 1
     assert list(m.root.children) == [3] and list(m.root.children[3].children) == [4]
@@ -684,13 +684,13 @@ def test_history_matches_earlier_texts_without_reading_across_them():
 
 
 def test_history_leaves_out_texts_of_the_same_prompt_when_asked():
-    from vllm_ptd.ptd.history import TextHistory, prompt_key
+    from vllm_ptd.ptd.history import TextHistory
 
     for same_prompt, expect in ((True, {3: 1, 4: 1}), (False, {4: 1})):
         h = TextHistory(1000, 4, same_prompt=same_prompt)
-        h.add(prompt_key([1]), [1, 2, 3])
-        h.add(prompt_key([9]), [1, 2, 4])
-        m = h.find([0, 1, 2], 2, prompt_key([1]))
+        h.add(1, [1, 2, 3])
+        h.add(9, [1, 2, 4])
+        m = h.find([0, 1, 2], 2, 1)
         assert {t: c.count for t, c in m.root.children.items()} == expect
 
 

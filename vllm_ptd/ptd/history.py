@@ -23,16 +23,9 @@ the one before.
 from __future__ import annotations
 
 import bisect
-import zlib
 from array import array
 
 from vllm_ptd.ptd.suffix_index import SEPARATOR, SuffixIndex, SuffixMatch
-
-
-def prompt_key(prompt: list[int]) -> int:
-    """A short fingerprint of a prompt (equal prompts, equal keys)."""
-    data = b"".join(int(t).to_bytes(4, "little", signed=True) for t in prompt)
-    return zlib.crc32(data) ^ (len(prompt) << 32)
 
 
 class TextHistory:
@@ -62,13 +55,14 @@ class TextHistory:
     def num_tokens(self) -> int:
         return sum(len(t) for _, t in self._texts)
 
-    def add(self, prompt_key_: int, tokens: list[int]) -> None:
-        """A finished request's text (its last ``max_tokens`` tokens at most)."""
+    def add(self, prompt_key: int, tokens: list[int]) -> None:
+        """A finished request's text (its last ``max_tokens`` tokens at most); ``prompt_key``
+        tells texts of the same prompt apart (``vllm_ptd.ptd.method.prompt_key``)."""
         if self.max_tokens <= 0 or len(tokens) < 2:
             return
         tokens = list(tokens[-self.max_tokens:])
-        self._texts.append((prompt_key_, tokens))
-        self._append(prompt_key_, tokens)
+        self._texts.append((prompt_key, tokens))
+        self._append(prompt_key, tokens)
         # the index keeps dropped texts until it holds twice the cap, then is built again
         # from the texts kept: each token is indexed at most twice on average
         if len(self.index) > 2 * self.max_tokens:
@@ -81,7 +75,7 @@ class TextHistory:
             self._texts = self._texts[len(self._texts) - keep:]
             self._rebuild()
 
-    def find(self, text: list[int], depth: int, prompt_key_: int) -> SuffixMatch | None:
+    def find(self, text: list[int], depth: int, prompt_key: int) -> SuffixMatch | None:
         """The longest suffix of ``text`` in the history, with its continuations (see
         ``SuffixIndex.find``); the texts of requests with this prompt are left out when
         ``same_prompt`` is off."""
@@ -92,7 +86,7 @@ class TextHistory:
         starts, keys = self._starts, self._keys
 
         def same_prompt(end: int) -> bool:
-            return keys[bisect.bisect_right(starts, end - 1) - 1] == prompt_key_
+            return keys[bisect.bisect_right(starts, end - 1) - 1] == prompt_key
         return self.index.find(text, depth, skip=same_prompt)
 
     def nbytes(self) -> int:

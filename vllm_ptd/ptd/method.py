@@ -27,7 +27,7 @@ from vllm_ptd.ptd.candidate_pool import CandidatePool
 from vllm_ptd.ptd.candidates import build_candidates
 from vllm_ptd.ptd.config import PTDConfig
 from vllm_ptd.ptd.draft_tree import DraftTree
-from vllm_ptd.ptd.history import TextHistory, prompt_key
+from vllm_ptd.ptd.history import TextHistory
 from vllm_ptd.ptd.seeding import Seeding, make_seeding
 from vllm_ptd.ptd.suffix_index import SuffixIndex
 from vllm_ptd.tree import FlatTree
@@ -74,12 +74,20 @@ class PTDRequest:
                 + self.unpooled.itemsize * len(self.unpooled))
 
 
+def _prompt_bytes(prompt: list[int]) -> bytes:
+    return b"".join(int(t).to_bytes(4, "little", signed=True) for t in prompt)
+
+
 def request_seed(seed: int, prompt: list[int]) -> int:
     """A per-request seed stable across processes and engines: it depends on the configured
     seed and the prompt, not on the request id, so the reference engine and vLLM (whose ids
     differ) draw the same seeds for the same prompt and their steps can be compared."""
-    data = b"".join(int(t).to_bytes(4, "little", signed=True) for t in prompt)
-    return zlib.crc32(data, seed & 0xFFFFFFFF) ^ (seed * 0x9E3779B1 & 0xFFFFFFFF)
+    return zlib.crc32(_prompt_bytes(prompt), seed & 0xFFFFFFFF) ^ (seed * 0x9E3779B1 & 0xFFFFFFFF)
+
+
+def prompt_key(prompt: list[int]) -> int:
+    """A fingerprint of a prompt for the history (equal prompts, equal keys)."""
+    return zlib.crc32(_prompt_bytes(prompt)) ^ (len(prompt) << 32)
 
 
 class PTDMethod(TreeMethod[PTDRequest]):
