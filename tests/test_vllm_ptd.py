@@ -23,8 +23,12 @@ pytestmark = pytest.mark.vllm
 
 MODEL_ARGS = dict(dtype="float32", enforce_eager=True, seed=0)
 # The main engine's PTD runs its trees as made (no cost model, whose timing-driven sizes could
-# not be replayed by the reference engine); the small engine runs the default, budget "auto".
-FIXED_PTD = {"method": "ptd", "budget": "fixed", "max_verify_nodes": 6, "max_draft_nodes": 2}
+# not be replayed by the reference engine) and without the history of earlier requests
+# (which holds the texts of every earlier test, not replayed either, and makes a seeded
+# sampled output depend on what ran before: README, PTD keys); the small engine runs
+# the defaults, budget "auto" and the history, as do the compiled, bf16 and TP engines.
+FIXED_PTD = {"method": "ptd", "budget": "fixed", "max_verify_nodes": 6, "max_draft_nodes": 2,
+             "history_tokens": 0}
 # mixed prompt sets, 4 each, chat template applied
 SETS = ("mt_bench", "gsm8k", "humaneval", "mbpp")
 SAMPLING_PROMPTS = 3
