@@ -36,14 +36,14 @@ class TextHistory:
         self.max_tokens = max_tokens
         self.max_match = max_match
         self.same_prompt = same_prompt
-        self._texts: list[tuple[int, list[int]]] = []  # (prompt key, tokens), oldest first
-        self._rebuild()
+        self._rebuild([])
 
-    def _rebuild(self) -> None:
+    def _rebuild(self, texts: list[tuple[int, list[int]]]) -> None:
+        """The index of ``texts`` ((prompt key, tokens), oldest first) alone."""
         self.index = SuffixIndex(self.max_match, self.MIN_MATCH)
         self._starts = array("q")  # where each text starts in the index
-        self._keys: list[int] = []
-        for key, tokens in self._texts:
+        self._keys: list[int] = []  # each text's prompt key
+        for key, tokens in texts:
             self._append(key, tokens)
 
     def _append(self, key: int, tokens: list[int]) -> None:
@@ -52,35 +52,32 @@ class TextHistory:
         self.index.extend(tokens)
         self.index.extend([SEPARATOR])
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(t) for _, t in self._texts)
-
     def add(self, prompt_key: int, tokens: list[int]) -> None:
         """A finished request's text (its last ``max_tokens`` tokens at most); ``prompt_key``
         tells texts of the same prompt apart (``vllm_ptd.ptd.method.prompt_key``)."""
         if self.max_tokens <= 0 or len(tokens) < 2:
             return
-        tokens = list(tokens[-self.max_tokens:])
-        self._texts.append((prompt_key, tokens))
-        self._append(prompt_key, tokens)
+        self._append(prompt_key, tokens[-self.max_tokens:])
         # the index keeps dropped texts until it holds twice the cap, then is built again
-        # from the texts kept: each token is indexed at most twice on average
+        # from the newest texts that fit under the cap: each token is indexed at most twice
+        # on average
         if len(self.index) > 2 * self.max_tokens:
-            total, keep = 0, 0
-            for _, t in reversed(self._texts):
-                if total + len(t) > self.max_tokens:
+            toks, ends = self.index.tokens, list(self._starts[1:]) + [len(self.index)]
+            kept: list[tuple[int, list[int]]] = []
+            total = 0
+            for key, a, b in zip(reversed(self._keys), reversed(self._starts), reversed(ends)):
+                n = b - a - 1  # the text without its separator
+                if total + n > self.max_tokens:
                     break
-                total += len(t)
-                keep += 1
-            self._texts = self._texts[len(self._texts) - keep:]
-            self._rebuild()
+                total += n
+                kept.append((key, toks[a: b - 1]))
+            self._rebuild(kept[::-1])
 
     def find(self, text: list[int], depth: int, prompt_key: int) -> SuffixMatch | None:
         """The longest suffix of ``text`` in the history, with its continuations (see
         ``SuffixIndex.find``); the texts of requests with this prompt are left out when
         ``same_prompt`` is off."""
-        if not self._texts:
+        if not self._keys:
             return None
         if self.same_prompt:
             return self.index.find(text, depth)
@@ -91,4 +88,6 @@ class TextHistory:
         return self.index.find(text, depth, skip=same_prompt)
 
     def nbytes(self) -> int:
-        return self.index.nbytes() + 8 * len(self._starts) + 36 * self.num_tokens
+        """About how much memory the history holds: its index, a Python int per token (the
+        engine's tokens are each their own object) and the texts' starts and keys."""
+        return self.index.nbytes() + 28 * len(self.index) + 44 * len(self._keys)
