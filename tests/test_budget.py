@@ -8,7 +8,7 @@ import random
 import pytest
 
 from vllm_ptd.budget import (AcceptanceModel, Calibration, StepCostModel, TreeBudget, allocate,
-                             makespan_weights, monotone)
+                             makespan_lead, makespan_weights, monotone)
 from vllm_ptd.tree import FlatTree
 
 
@@ -193,6 +193,27 @@ def test_a_batch_that_nothing_follows_sends_trees_only_where_they_shorten_it():
                  weights=makespan_weights([9] * 4, share))
     assert a.verify == [[], [], [], []] and not a.pays
     assert all(allocate(half, half_parents, [0.0] * 4, [0] * 4, 4, 4, cost).verify[:2])
+
+
+def test_the_critical_path_is_worth_no_more_than_its_lead():
+    # one request two tokens ahead of the rest: a token of its is worth a step of the batch
+    # only until the next request joins the critical path, so its sure chain is cut there
+    assert makespan_lead([14, 12, 12, 3]) == 2
+    assert makespan_lead([9, 9]) == 9 and makespan_lead([5]) == 5 and makespan_lead([]) == 0
+    cost = StepCostModel(prior_slope=0.0)
+    for rows in range(1, 40):
+        for _ in range(3):
+            cost.observe(rows, 50.0 + 1.0 * (rows - 1), 0.0, requests=min(rows, 4))
+    remaining = [14, 12, 12, 3]
+    weights = makespan_weights(remaining, cost.request_share(4))
+    chain = [[0.95 ** (i + 1) for i in range(8)]] + [[]] * 3
+    parents = [[-1] + list(range(7))] + [[]] * 3
+    args = (chain, parents, [0.0] * 4, [0] * 4, 4, 4, cost)
+    unbounded = allocate(*args, weights=weights)
+    assert unbounded.verify[0] == list(range(8))
+    bounded = allocate(*args, weights=weights, critical_lead=makespan_lead(remaining))
+    # 1.85 expected tokens in two nodes; the third brings the last 0.15 of the lead
+    assert bounded.verify[0] == [0, 1, 2] and bounded.pays
 
 
 def test_allocate_keeps_parents_on_random_trees():

@@ -10,6 +10,8 @@ token identity in bf16 flips at near-ties.
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 from engine_utils import counters as _counters
 from engine_utils import flush as _flush
@@ -446,19 +448,20 @@ class TestSmallEngine:
 
         proposer, engine = _proposer(llm), llm.llm_engine
         seen = []
-        real = proposer._batch_end_weights
+        real = proposer._batch_end
 
         def recording(ready_b):
-            weights = real(ready_b)
+            weights, lead = real(ready_b)
             seen.append((proposer._open_batch, weights))
-            return weights
+            assert (lead == math.inf) == (weights is None)
+            return weights, lead
 
         def add(i):
             engine.add_request(f"arrival-{i}",
                                TokensPrompt(prompt_token_ids=work["preempt"][i]),
                                SamplingParams(temperature=0, max_tokens=PREEMPT_TOKENS))
 
-        proposer._batch_end_weights = recording
+        proposer._batch_end = recording
         got: dict[str, list[int]] = {}
         try:
             add(0)
@@ -471,7 +474,7 @@ class TestSmallEngine:
                 for o in engine.step():
                     got[o.request_id] = list(o.outputs[0].token_ids)
         finally:
-            del proposer._batch_end_weights
+            del proposer._batch_end
         assert got["arrival-0"] == plain[("preempt", 0)]
         assert got["arrival-1"] == plain[("preempt", 1)]
         assert closed and all(not open_ and w is not None for open_, w in closed)
@@ -493,21 +496,22 @@ class TestSmallEngine:
         # requests waiting (here the preempted ones), the batch's end when it has none
         proposer = _proposer(llm)
         seen = []
-        real = proposer._batch_end_weights
+        real = proposer._batch_end
 
         def recording(ready_b):
-            weights = real(ready_b)
+            weights, lead = real(ready_b)
             seen.append((proposer._num_waiting, len(ready_b), weights))
-            return weights
+            assert (lead == math.inf) == (weights is None) and lead >= 0
+            return weights, lead
 
-        proposer._batch_end_weights = recording
+        proposer._batch_end = recording
         before = _counters(llm).get("vllm:num_preemptions", 0)
         try:
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in work["preempt"]],
                                 SamplingParams(temperature=0, max_tokens=PREEMPT_TOKENS),
                                 use_tqdm=False)
         finally:
-            del proposer._batch_end_weights
+            del proposer._batch_end
         preempted = _counters(llm).get("vllm:num_preemptions", 0) - before
         assert preempted > 0, "the workload did not preempt: the test checks nothing"
         for i, o in enumerate(outs):

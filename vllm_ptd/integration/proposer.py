@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -31,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vllm_ptd.budget import StepCostModel, TreeBudget, makespan_weights
+from vllm_ptd.budget import StepCostModel, TreeBudget, makespan_lead, makespan_weights
 from vllm_ptd.integration.kv_stash import bind_tree_attention
 from vllm_ptd.integration.step_clock import StepClock
 from vllm_ptd.integration.step import StepChannel, TreeStep, build_step
@@ -479,15 +480,16 @@ class TreeProposer:
             logger.info("vllm-ptd %s: %s; per step %s", self.kind, self.metrics.summary(),
                         self.clock.summary())
 
-    def _batch_end_weights(self, ready_b: list[int]) -> list[float] | None:
+    def _batch_end(self, ready_b: list[int]) -> tuple[list[float] | None, float]:
         """What a token of each ready request (batch rows ``ready_b``) is worth when no
         request waits for room and none arrived while others ran (a closed batch:
-        ``budget.makespan_weights``); None while requests wait, in an open batch (a
+        ``budget.makespan_weights``), and how far the critical path leads
+        (``budget.makespan_lead``); no weights while requests wait, in an open batch (a
         server's clients sending as others finish), or with ``budget: "per_step"``: then
         every token counts the same."""
         if (self.options.budget != "auto" or self._num_waiting is None
                 or self._num_waiting > 0 or self._open_batch):
-            return None
+            return None, math.inf
         ib = self.runner.input_batch
         remaining = []
         for req_id in ib.req_ids[: ib.num_reqs]:
@@ -501,7 +503,7 @@ class TreeProposer:
                 cap = min(cap, params.max_tokens - len(state.output_token_ids))
             remaining.append(max(0, cap))
         weights = makespan_weights(remaining, self.budget.cost.request_share(ib.num_reqs))
-        return [weights[b] for b in ready_b]
+        return [weights[b] for b in ready_b], float(makespan_lead(remaining))
 
     # ---- 3. drafting --------------------------------------------------------------------
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
@@ -582,11 +584,12 @@ class TreeProposer:
             # proposed on 291 of 1908 steps of 4 requests; a proposal right after another
             # took a median 9.2 ms, one after 13 or more steps without 11.6)
             drafting_ms = max(0.0, 1000 * (time.perf_counter() - t0) - method.catch_up_ms)
+            weights, lead = self._batch_end(ready_b)
             with self.clock.part("budget"):
                 trees = self.budget.size(ready_ids, trees, base_rows=ib.num_reqs,
                                          num_requests=ib.num_reqs, drafting_ms=drafting_ms,
-                                         weights=self._batch_end_weights(ready_b),
-                                         catch_up_ms=method.catch_up_ms)
+                                         weights=weights, catch_up_ms=method.catch_up_ms,
+                                         critical_lead=lead)
             self._expected = dict(zip(ready_ids, self.budget.last.expected))
             self._predicted_ms = self.budget.last.step_ms
             self._sized_requests = ib.num_reqs
