@@ -97,11 +97,10 @@ def makespan_lead(remaining: list[int]) -> int:
     """How many tokens the batch's critical path (the requests with the most tokens left)
     can gain before the next request joins it: past that lead a token of theirs no longer
     shortens the batch, the next request's steps do (the whole remainder where every
-    request is on it). Counted by ``allocate``'s critical worth as its ceiling: without it a
-    lone critical request's tree of 7 nodes was worth 2.5 steps of 16 requests one token
-    from the next request, and such trees, at 20 ms a step, made PTD's continuous batches of
-    16 0.964x plain decoding's speed with the engines side by side (33 trees, 8 steps
-    saved)."""
+    request is on it). ``allocate`` bounds the critical worth by it: without it a lone
+    critical request's sure chain of 7 nodes was worth 7 steps of the batch whatever its
+    lead. (Where trees in the tail of batches of 16 did not pay, README: Batches of 16 with
+    the engines side by side, the bound changed nothing that showed.)"""
     if not remaining:
         return 0
     longest = max(remaining)
