@@ -21,6 +21,7 @@ from vllm_ptd.bench.engines import start_engines, stop_engines
 from vllm_ptd.bench.host import REPO, resolve_common_args
 from vllm_ptd.bench.interleave import run_interleaved
 from vllm_ptd.bench.methods import parse_methods
+from vllm_ptd.bench.near_ties import TIE_GAP, explain_run
 from vllm_ptd.bench.prompts import load_held_out_prompts, load_token_prompts
 from vllm_ptd.bench.report import fmt, fmt_pm, identical_cell
 
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         records = run_interleaved(engines, prompts, [1], args.repeats, args.max_tokens,
                                      settle=1.2, warmup=True, warmup_prompts=spare)
+        explain_run(engines, records, prompts, args.dtype)
     finally:
         stop_engines(engines)
     live = [e.label for e in engines if not e.error]
@@ -103,11 +105,15 @@ def main(argv: list[str] | None = None) -> int:
         print(line(row))
     for lab, why in {**failed, **{e.label: e.error for e in engines if e.error}}.items():
         print(f"(skipped {lab}: {why})")
+    ties = "" if args.dtype == "float32" else (
+        " (which flips near-ties; --dtype float32 is exact; n/m at near-ties: of the m outputs "
+        f"that part from plain decoding, n where its top-2 logits were within {TIE_GAP} at "
+        "the first divergence)")
     print(f"\nDE = tokens per target forward on speculative steps, AL = tokens per step with an "
           f"accepted draft, HR = share of such steps, DE all = tokens per forward over all steps "
           f"(prefill and steps without a draft too); identical = outputs token-identical to "
           f"plain decoding in {args.dtype}"
-          f"{'' if args.dtype == 'float32' else ' (which flips near-ties; --dtype float32 is exact)'}. "
+          f"{ties}. "
           f"Wall time {time.time() - t0:.0f}s; engine logs in {out / 'logs'}.")
     print("\nFull benchmark (all five datasets, batch sizes 1/4/16, every method, plots; the "
           "README's Results section has the commands of the runs reported there):\n"

@@ -450,3 +450,60 @@ def test_paired_steps_are_timed_and_sorted_by_kind():
     steps = sum(s for _, _, s in timer.steps)
     # host phases, and the rest of the wall time: 5 s less the steps and 1.25 s of phases
     assert f"| ptd | {steps:.2f} | 0.25 | 0.00 | 0.00 | 1.00 | {5 - steps - 1.25:.2f} |" in text
+
+
+def test_bf16_divergences_are_explained_by_plain_decodings_top2_gaps():
+    """A run in bf16 reruns, untimed and once, each plain batch in which a method's output
+    parted from plain decoding's, with logprobs, and reads plain decoding's top-2 gap at the
+    first divergence: the report says how many divergences were near-ties. A rerun that does
+    not reproduce the timed plain output explains nothing (counted as no near-tie); fp32
+    runs explain nothing."""
+    from vllm_ptd.bench.aggregate import aggregate
+    from vllm_ptd.bench.interleave import run_interleaved
+    from vllm_ptd.bench.near_ties import TIE_GAP, explain_run, first_divergence
+    from vllm_ptd.bench.report import identical_cell
+
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+    plain_out = {0: [1, 2, 3], 1: [4, 5, 6], 2: [7, 8, 9], 3: [10, 11]}
+    ptd_out = {0: [1, 2, 30], 1: [40, 5, 6], 2: [7, 8, 9], 3: [10, 12]}
+    gaps = {0: [4.0, 3.0, TIE_GAP / 2], 1: [2.0, 1.0, 1.0], 2: [1.0] * 3, 3: [1.0, 0.1]}
+
+    class FakeEngine:
+        def __init__(self, label, outputs, reruns_differ=()):
+            self.label, self.outputs, self.error, self.calls = label, outputs, None, []
+            self.reruns_differ = reruns_differ
+
+        def generate(self, batch, max_tokens, logprobs=None):
+            self.calls.append((len(batch), max_tokens, logprobs))
+            ids = [b[0] for b in batch]
+            out = {"wall": 1.0, "outputs": [list(self.outputs[i]) for i in ids],
+                   "counters": {}, "trace": []}
+            if logprobs:
+                out["top2_gaps"] = [gaps[i] for i in ids]
+                for j, i in enumerate(ids):
+                    if i in self.reruns_differ:
+                        out["outputs"][j] = [0]
+            return out
+
+    prompts = {"a": [{"id": i, "ids": [i], "max_tokens": 3} for i in range(4)]}
+    for dtype, explained in (("float32", False), ("bfloat16", True)):
+        plain, ptd = FakeEngine("none", plain_out, reruns_differ=(3,)), FakeEngine("ptd", ptd_out)
+        recs = run_interleaved([plain, ptd], prompts, [2], 1, 16, 0.0, False, progress=False)
+        said = []
+        explain_run([plain, ptd], recs, prompts, dtype, said.append)
+        reruns = [c for c in plain.calls if c[2]]
+        row = next(x for x in aggregate(recs, ["none", "ptd"], prompts, [2], 1)["rows"]
+                   if x["method"] == "ptd")
+        if not explained:
+            assert not reruns and not said and identical_cell(row) == "1/4"
+            continue
+        # both batches (prompts 0-1 and 2-3) had a divergence: rerun once each, same limits
+        assert reruns == [(2, [3, 3], 2), (2, [3, 3], 2)]
+        # prompt 0 parts at a near-tie, prompt 1 where plain decoding was sure, prompt 3's
+        # plain rerun did not reproduce its output
+        assert (row["near_ties"], row["explained"]) == (1, 3)
+        assert identical_cell(row) == "1/4 (1/3 at near-ties)"
+        assert "3 outputs part from plain decoding; 1 of them" in said[0]

@@ -18,14 +18,13 @@ from __future__ import annotations
 import pytest
 from engine_utils import in_process_engines, shutdown
 
+from vllm_ptd.bench.near_ties import TIE_GAP, top2_gaps
+
 pytest.importorskip("vllm")
 
 pytestmark = pytest.mark.vllm
 
 NEW_TOKENS = 48
-# bf16 logits of this model (|logit| ~ 16-32) are spaced 0.125, and a forward over more rows
-# rounds every one of its 30 layers differently: a few units of that spacing is a near-tie
-TIE_GAP = 0.5
 SPECS = {"ptd": {"method": "ptd", "budget": "fixed"},
          "pctree": {"method": "pctree", "budget": "fixed"}}
 MODES = {"compiled": False, "eager": True}  # enforce_eager
@@ -61,18 +60,10 @@ def _generate(model_path, prompts, eager: bool, spec=None, logprobs=None):
         shutdown(llm)
 
 
-def _top2_gaps(output) -> list[float]:
-    gaps = []
-    for lp in output.logprobs:
-        best = sorted((v.logprob for v in lp.values()), reverse=True)
-        gaps.append(best[0] - best[1] if len(best) > 1 else float("inf"))
-    return gaps
-
-
 @pytest.fixture(scope="module", params=list(MODES))
 def plain(request, model_path, prompts):
     outs = _generate(model_path, prompts, MODES[request.param], logprobs=2)
-    return request.param, [(list(o.token_ids), _top2_gaps(o)) for o in outs]
+    return request.param, [(list(o.token_ids), top2_gaps(o.logprobs)) for o in outs]
 
 
 @pytest.mark.parametrize("name", list(SPECS))

@@ -6,6 +6,7 @@ import statistics
 
 from vllm_ptd.bench.engines import COUNTERS
 from vllm_ptd.bench.interleave import prompts_per_call
+from vllm_ptd.bench.near_ties import near_tie_counts
 
 
 ALL = "all"
@@ -118,8 +119,9 @@ def aggregate(records: list[dict], methods: list[str], prompts: dict[str, list[d
               batch_sizes: list[int], repeats: int, continuous: bool = False) -> dict:
     """Per method, batch size and dataset (and all datasets pooled): tok/s and speedup over
     ``none`` (mean ± sd over repeats; a repeat counts once all its batches are in: one per
-    dataset with ``continuous`` batching), outputs identical to ``none``'s, step times and
-    speculation metrics."""
+    dataset with ``continuous`` batching), outputs identical to ``none``'s (and of the
+    others, how many parted from it at a near-tie: ``near_ties.explain_divergences``), step
+    times and speculation metrics."""
     datasets = list(prompts)
     expected = {(ds, bs): math.ceil(len(prompts[ds]) / prompts_per_call(len(prompts[ds]), bs,
                                                                         continuous))
@@ -160,8 +162,10 @@ def aggregate(records: list[dict], methods: list[str], prompts: dict[str, list[d
                     for a, b in zip(x["outputs"], ref["outputs"]):
                         total += 1
                         same += int(a == b)
+                near, explained = near_tie_counts(recs)
                 steps = [s for x in recs for s in x.get("steps", [])]
                 table.append({"method": m, "batch_size": bs, "dataset": gname,
+                              "near_ties": near, "explained": explained,
                               "step_times": step_time_summary(steps),
                               "tok_s": mean_sd(t), "speedup": mean_sd(sp),
                               "wall_s": sum(x["wall"] for x in recs), "gen_tokens": gen,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from vllm_ptd.bench.memory import check_memory
 from vllm_ptd.bench.methods import Method, safe_label
+from vllm_ptd.bench.near_ties import top2_gaps
 from vllm_ptd.bench.prompts import per_prompt_limits
 
 
@@ -142,7 +143,8 @@ def engine_worker(conn, spec: dict | None, opts: dict, log_path: str,
             break
         try:
             sp = [SamplingParams(temperature=0.0, max_tokens=n,
-                                 ignore_eos=bool(msg.get("ignore_eos", False)))
+                                 ignore_eos=bool(msg.get("ignore_eos", False)),
+                                 logprobs=msg.get("logprobs"))
                   for n in per_prompt_limits(msg["max_tokens"], len(msg["prompts"]))]
             prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in msg["prompts"]]
             before = counter_snapshot(llm)
@@ -152,8 +154,11 @@ def engine_worker(conn, spec: dict | None, opts: dict, log_path: str,
             wall = time.perf_counter() - t0
             counters = counter_diff(counter_snapshot(llm), before)
             trace, steps, trace_pos = read_trace(trace_path, trace_pos)
-            conn.send({"ok": True, "wall": wall, "counters": counters, "trace": trace, "steps": steps,
-                       "outputs": [list(o.outputs[0].token_ids) for o in outs]})
+            reply = {"ok": True, "wall": wall, "counters": counters, "trace": trace,
+                     "steps": steps, "outputs": [list(o.outputs[0].token_ids) for o in outs]}
+            if msg.get("logprobs"):
+                reply["top2_gaps"] = [top2_gaps(o.outputs[0].logprobs) for o in outs]
+            conn.send(reply)
         except BaseException as e:  # noqa: BLE001
             traceback.print_exc()
             conn.send({"ok": False, "error": short_error(e), "traceback": traceback.format_exc()})
@@ -215,11 +220,12 @@ class Engine:
         self.error = why
 
     def generate(self, prompts: list[list[int]], max_tokens: int | list[int],
-                 ignore_eos: bool = False) -> dict:
-        """Greedy outputs of ``prompts`` (``max_tokens``: one limit, or one per prompt)."""
+                 ignore_eos: bool = False, logprobs: int | None = None) -> dict:
+        """Greedy outputs of ``prompts`` (``max_tokens``: one limit, or one per prompt);
+        with ``logprobs``, also each output token's top-2 gap (``near_ties.top2_gaps``)."""
         try:
             self.conn.send({"cmd": "generate", "prompts": prompts, "max_tokens": max_tokens,
-                            "ignore_eos": ignore_eos})
+                            "ignore_eos": ignore_eos, "logprobs": logprobs})
             msg = self.conn.recv()
         except (EOFError, OSError, BrokenPipeError) as e:
             self._fail(f"engine process died during generate ({type(e).__name__}); "

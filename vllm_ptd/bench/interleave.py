@@ -74,7 +74,8 @@ def run_interleaved(engines: list[Engine], prompts: dict[str, list[dict]], batch
                 time.sleep(settle)  # let the finished engine's worker stop spinning
             if record:
                 records.append({"method": e.label, "dataset": ds, "batch_size": bs, "repeat": r,
-                                "chunk": ci, "prompt_index": idx, "wall": res["wall"],
+                                "chunk": ci, "prompt_index": idx, "limits": limits,
+                                "wall": res["wall"],
                                 "tokens": sum(len(o) for o in res["outputs"]),
                                 "outputs": res["outputs"], "counters": res["counters"],
                                 "trace": res["trace"], "steps": res.get("steps", [])})

@@ -10,6 +10,7 @@ from vllm_ptd.bench.engines import Engine, engine_opts, start_engines, stop_engi
 from vllm_ptd.bench.host import host_info
 from vllm_ptd.bench.interleave import run_interleaved
 from vllm_ptd.bench.methods import Method, parse_methods
+from vllm_ptd.bench.near_ties import explain_run
 from vllm_ptd.bench.plots import make_plots
 from vllm_ptd.bench.prompts import load_held_out_prompts, load_token_prompts, set_token_limits
 from vllm_ptd.bench.report import markdown_report
@@ -101,6 +102,7 @@ def run_benchmark(args, methods: list[Method], datasets: list[str], say=None) ->
             warmup=not args.no_warmup, progress=not args.no_progress,
             on_repeat_done=lambda recs, r: write(recs, True), say=say, warmup_prompts=spare,
             continuous=args.batching == "continuous")
+        explain_run(engines, records, prompts, args.dtype, say)
         md, plots = write(records, False)
         print(md)
         say(f"[bench] wrote {out / 'results.md'}, {out / 'results.json'}, "

@@ -5,6 +5,7 @@ import math
 
 from vllm_ptd.bench.aggregate import ALL
 from vllm_ptd.bench.methods import Method
+from vllm_ptd.bench.near_ties import TIE_GAP
 from vllm_ptd.bench.prompts import token_limit_text
 
 
@@ -21,9 +22,16 @@ def fmt_pm(s: dict, nd=2) -> str:
 
 
 def identical_cell(r: dict) -> str:
+    """``same/compared``, and where divergences were explained (bf16), how many of them were
+    at near-ties of plain decoding."""
     if r.get("method", r.get("label")) == "none":
         return "ref"
-    return f"{r['identical']}/{r['compared']}" if r["compared"] else "—"
+    if not r["compared"]:
+        return "—"
+    cell = f"{r['identical']}/{r['compared']}"
+    if r.get("explained"):
+        cell += f" ({r['near_ties']}/{r['explained']} at near-ties)"
+    return cell
 
 
 def _metric_cells(spec: dict, method_name: str) -> list[str]:
@@ -132,5 +140,7 @@ def markdown_report(agg: dict, meta: dict, methods: list[Method], failed: dict) 
           "DE_all = generated tokens / request-steps over all steps including prefill and "
           "steps without a draft; rows/step = extra rows per request-step over all steps; "
           "identical = outputs token-identical to `none` (same prompt, batch, repeat; bf16 "
-          "flips near-ties, use --dtype float32 for an identity check).", ""]
+          "flips near-ties, use --dtype float32 for an identity check; n/m at near-ties: of "
+          f"the m outputs that part from `none`, n where its top-2 logits were within {TIE_GAP} "
+          "at the first divergence).", ""]
     return "\n".join(L)
