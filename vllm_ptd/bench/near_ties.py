@@ -64,7 +64,7 @@ def explain_divergences(plain_engine, records: list[dict], prompts: dict[str, li
     """Sets ``divergence_gaps`` ({output slot: plain decoding's top-2 gap at the first
     divergence, or None where the plain rerun did not reproduce its timed output}) on every
     record with a divergence, rerunning each affected plain batch once with ``logprobs=2``
-    (untimed: the run's timings are already taken). Returns the divergences explained."""
+    (untimed: the run's timings are already taken). Returns how many outputs diverged."""
     found = divergences(records)
     reruns: dict[tuple, dict] = {}
     for x, ref, j, k in found:
