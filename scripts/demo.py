@@ -21,7 +21,7 @@ from vllm_ptd.bench.engines import start_engines, stop_engines
 from vllm_ptd.bench.host import REPO, resolve_common_args
 from vllm_ptd.bench.interleave import run_interleaved
 from vllm_ptd.bench.methods import parse_methods
-from vllm_ptd.bench.near_ties import TIE_GAP, explain_run
+from vllm_ptd.bench.near_ties import LEGEND, explain_run
 from vllm_ptd.bench.prompts import load_held_out_prompts, load_token_prompts
 from vllm_ptd.bench.report import fmt, fmt_pm, identical_cell
 
@@ -106,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     for lab, why in {**failed, **{e.label: e.error for e in engines if e.error}}.items():
         print(f"(skipped {lab}: {why})")
     ties = "" if args.dtype == "float32" else (
-        " (which flips near-ties; --dtype float32 is exact; n/m at near-ties: of the m outputs "
-        f"that part from plain decoding, n where its top-2 logits were within {TIE_GAP} at "
-        "the first divergence)")
+        f" (which flips near-ties; --dtype float32 is exact; {LEGEND})")
     print(f"\nDE = tokens per target forward on speculative steps, AL = tokens per step with an "
           f"accepted draft, HR = share of such steps, DE all = tokens per forward over all steps "
           f"(prefill and steps without a draft too); identical = outputs token-identical to "

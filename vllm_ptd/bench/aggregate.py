@@ -162,10 +162,11 @@ def aggregate(records: list[dict], methods: list[str], prompts: dict[str, list[d
                     for a, b in zip(x["outputs"], ref["outputs"]):
                         total += 1
                         same += int(a == b)
-                near, explained = near_tie_counts(recs)
+                near, explained, unknown = near_tie_counts(recs)
                 steps = [s for x in recs for s in x.get("steps", [])]
                 table.append({"method": m, "batch_size": bs, "dataset": gname,
                               "near_ties": near, "explained": explained,
+                              "unexplained": unknown,
                               "step_times": step_time_summary(steps),
                               "tok_s": mean_sd(t), "speedup": mean_sd(sp),
                               "wall_s": sum(x["wall"] for x in recs), "gen_tokens": gen,

@@ -17,6 +17,10 @@ from __future__ import annotations
 # near-tie
 TIE_GAP = 0.5
 EXPLAINED_DTYPES = ("bfloat16", "bf16", "float16", "fp16", "half")
+# what the reports' "identical" column adds in bf16
+LEGEND = (f"n/m at near-ties: of the m outputs that part from plain decoding, n where its top-2 "
+          f"logits were within {TIE_GAP} at the first divergence; unknown: plain decoding's "
+          f"rerun with logprobs did not reproduce its timed output")
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -77,11 +81,13 @@ def explain_divergences(plain_engine, records: list[dict], prompts: dict[str, li
         x.setdefault("divergence_gaps", {})[j] = rerun["top2_gaps"][j][k] if same else None
     if found:
         gaps = [x["divergence_gaps"][j] for x, _, j, _ in found]
-        near = sum(g is not None and g <= TIE_GAP for g in gaps)
+        near, known, differed = _counts(gaps)
         shown = ", ".join("?" if g is None else f"{g:.3f}" for g in gaps[:12])
-        say(f"[bench] {len(found)} outputs part from plain decoding; {near} of them where plain "
-            f"decoding's top-2 logits were within {TIE_GAP} (a near-tie; {len(reruns)} plain "
-            f"batches rerun with logprobs); gaps: {shown}{', ...' if len(gaps) > 12 else ''}")
+        say(f"[bench] {len(found)} outputs part from plain decoding; at {near} of the {known} "
+            f"whose plain rerun reproduced the timed output, plain decoding's top-2 logits were "
+            f"within {TIE_GAP} (a near-tie); {differed} left unknown, the rerun's own output "
+            f"differing ({len(reruns)} plain batches rerun with logprobs); gaps: "
+            f"{shown}{', ...' if len(gaps) > 12 else ''}")
     return len(found)
 
 
@@ -98,7 +104,12 @@ def explain_run(engines: list, records: list[dict], prompts: dict[str, list[dict
         say(f"[bench] divergences left unexplained: {e}")
 
 
-def near_tie_counts(records: list[dict]) -> tuple[int, int]:
-    """(divergences at a near-tie, divergences explained) over ``records``."""
-    gaps = [g for x in records for g in x.get("divergence_gaps", {}).values()]
-    return sum(g is not None and g <= TIE_GAP for g in gaps), len(gaps)
+def _counts(gaps: list[float | None]) -> tuple[int, int, int]:
+    known = [g for g in gaps if g is not None]
+    return sum(g <= TIE_GAP for g in known), len(known), len(gaps) - len(known)
+
+
+def near_tie_counts(records: list[dict]) -> tuple[int, int, int]:
+    """Over ``records``' divergences: (at a near-tie, with a known gap, with the gap unknown
+    because plain decoding's rerun did not reproduce its timed output)."""
+    return _counts([g for x in records for g in x.get("divergence_gaps", {}).values()])

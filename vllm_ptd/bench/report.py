@@ -5,7 +5,7 @@ import math
 
 from vllm_ptd.bench.aggregate import ALL
 from vllm_ptd.bench.methods import Method
-from vllm_ptd.bench.near_ties import TIE_GAP
+from vllm_ptd.bench.near_ties import LEGEND
 from vllm_ptd.bench.prompts import token_limit_text
 
 
@@ -29,9 +29,12 @@ def identical_cell(r: dict) -> str:
     if not r["compared"]:
         return "—"
     cell = f"{r['identical']}/{r['compared']}"
+    notes = []
     if r.get("explained"):
-        cell += f" ({r['near_ties']}/{r['explained']} at near-ties)"
-    return cell
+        notes.append(f"{r['near_ties']}/{r['explained']} at near-ties")
+    if r.get("unexplained"):
+        notes.append(f"{r['unexplained']} unknown")
+    return cell + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def _metric_cells(spec: dict, method_name: str) -> list[str]:
@@ -140,7 +143,5 @@ def markdown_report(agg: dict, meta: dict, methods: list[Method], failed: dict) 
           "DE_all = generated tokens / request-steps over all steps including prefill and "
           "steps without a draft; rows/step = extra rows per request-step over all steps; "
           "identical = outputs token-identical to `none` (same prompt, batch, repeat; bf16 "
-          "flips near-ties, use --dtype float32 for an identity check; n/m at near-ties: of "
-          f"the m outputs that part from `none`, n where its top-2 logits were within {TIE_GAP} "
-          "at the first divergence).", ""]
+          f"flips near-ties, use --dtype float32 for an identity check; {LEGEND}).", ""]
     return "\n".join(L)
