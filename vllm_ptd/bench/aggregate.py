@@ -6,7 +6,7 @@ import statistics
 
 from vllm_ptd.bench.engines import COUNTERS
 from vllm_ptd.bench.interleave import prompts_per_call
-from vllm_ptd.bench.near_ties import near_tie_counts
+from vllm_ptd.bench.near_ties import near_tie_counts, plain_records
 
 
 ALL = "all"
@@ -140,6 +140,7 @@ def aggregate(records: list[dict], methods: list[str], prompts: dict[str, list[d
         wall = sum(x["wall"] for x in recs)
         return sum(x["tokens"] for x in recs) / wall if wall > 0 else None
 
+    plain = plain_records(records)
     groups = [(ds, [ds]) for ds in datasets] + ([(ALL, datasets)] if len(datasets) > 1 else [])
     table = []
     for m in methods:
@@ -155,8 +156,7 @@ def aggregate(records: list[dict], methods: list[str], prompts: dict[str, list[d
                 spec = spec_summary(trace, sum_counters(recs), gen, nreq)
                 same = total = 0
                 for x in recs:
-                    ref = by.get(("none", x["dataset"], bs, x["repeat"]), [])
-                    ref = next((y for y in ref if y["chunk"] == x["chunk"]), None)
+                    ref = plain.get((x["dataset"], bs, x["repeat"], x["chunk"]))
                     if ref is None:
                         continue
                     for a, b in zip(x["outputs"], ref["outputs"]):

@@ -42,7 +42,9 @@ def top2_gaps(logprobs) -> list[float]:
     return gaps
 
 
-def _plain_of(records: list[dict]) -> dict[tuple, dict]:
+def plain_records(records: list[dict]) -> dict[tuple, dict]:
+    """Plain decoding's record of each batch, by (dataset, batch size, repeat, chunk): what
+    every other method's outputs are compared with."""
     return {(x["dataset"], x["batch_size"], x["repeat"], x["chunk"]): x
             for x in records if x["method"] == "none"}
 
@@ -50,7 +52,7 @@ def _plain_of(records: list[dict]) -> dict[tuple, dict]:
 def divergences(records: list[dict]) -> list[tuple[dict, dict, int, int]]:
     """(record, plain record of the same batch, output slot, first divergence) for every
     output of a method that is not plain decoding's."""
-    plain = _plain_of(records)
+    plain = plain_records(records)
     out = []
     for x in records:
         ref = plain.get((x["dataset"], x["batch_size"], x["repeat"], x["chunk"]))

@@ -5,7 +5,7 @@ import math
 
 from vllm_ptd.bench.aggregate import ALL
 from vllm_ptd.bench.methods import Method
-from vllm_ptd.bench.near_ties import LEGEND
+from vllm_ptd.bench.near_ties import EXPLAINED_DTYPES, LEGEND
 from vllm_ptd.bench.prompts import token_limit_text
 
 
@@ -143,5 +143,6 @@ def markdown_report(agg: dict, meta: dict, methods: list[Method], failed: dict) 
           "DE_all = generated tokens / request-steps over all steps including prefill and "
           "steps without a draft; rows/step = extra rows per request-step over all steps; "
           "identical = outputs token-identical to `none` (same prompt, batch, repeat; bf16 "
-          f"flips near-ties, use --dtype float32 for an identity check; {LEGEND}).", ""]
+          "flips near-ties, use --dtype float32 for an identity check"
+          + (f"; {LEGEND}" if meta.get("dtype") in EXPLAINED_DTYPES else "") + ").", ""]
     return "\n".join(L)
