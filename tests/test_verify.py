@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from vllm_ptd.tree import FlatTree
-from vllm_ptd.verify import greedy_walk, sampling_walk, target_probs
+from vllm_ptd.verify import greedy_walk, row_argmax, sampling_walk, target_probs
 
 # root -> 0:5 -> {2:7, 3:8 -> 4:9}; root -> 1:6
 CRAFTED = FlatTree([5, 6, 7, 8, 9], [-1, -1, 0, 0, 3])
@@ -189,3 +189,19 @@ def test_sampling_walk_degenerate_rows_and_draft_nodes():
     assert acc == [] and com == [2]
     with pytest.raises(ValueError):
         sampling_walk(FlatTree([1, 2], [-1, -1]), probs[:2], g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax_takes_the_first_of_tied_maxima(dtype):
+    # what vLLM's greedy sampler commits: the argmax of the fp32 logits, the first index
+    # among equal maxima (frequent in bf16); row_argmax must pick the same at every row
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        rows = int(torch.randint(1, 40, (1,), generator=g))
+        vocab = int(torch.randint(2, 50_000, (1,), generator=g))
+        x = torch.randn(rows, vocab, generator=g).to(dtype)
+        top = x.max(dim=-1, keepdim=True).values
+        x.scatter_(1, torch.randint(0, vocab, (rows, 4), generator=g), top.expand(-1, 4))
+        coarse = torch.randint(-3, 3, (rows, vocab), generator=g).to(dtype)
+        for logits in (x, coarse):
+            assert torch.equal(row_argmax(logits), logits.float().argmax(dim=-1))

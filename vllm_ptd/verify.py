@@ -27,6 +27,19 @@ from vllm_ptd.tree import FlatTree
 _RESIDUAL_EPS = 1e-12
 
 
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first index of the largest value, as vLLM's greedy sampler
+    takes it), shape ``(rows,)``.
+
+    On CPU through ``max(dim).indices``, which returns the same first index: ``argmax``
+    there is the slower reduction, and over bf16 logits the slowest (one core, 18 rows of
+    49152 words: argmax 3.2 ms in bf16 and 1.2 ms in fp32, max 0.66 and 0.47 ms), which was
+    most of a bf16 step's verification at batch 4. Elsewhere ``argmax`` itself."""
+    if logits.device.type == "cpu":
+        return logits.max(dim=-1).indices
+    return logits.argmax(dim=-1)
+
+
 def greedy_walk(tree: FlatTree, root_argmax: int,
                 node_argmax: Sequence[int]) -> tuple[list[int], list[int]]:
     """Greedy acceptance on one tree.

@@ -40,7 +40,7 @@ from vllm_ptd.method import BuildContext, StepOutcome, TreeMethod
 from vllm_ptd.methods import find_method
 from vllm_ptd.metrics import SpecMetrics
 from vllm_ptd.tree import FlatTree
-from vllm_ptd.verify import greedy_walk, sampling_walk, target_probs
+from vllm_ptd.verify import greedy_walk, row_argmax, sampling_walk, target_probs
 
 logger = logging.getLogger("vllm_ptd")
 
@@ -386,7 +386,7 @@ class TreeProposer:
         # the target's argmax at every row, once: the tree rows' (the greedy walk's input
         # and what PTD's draft rows predicted) and the plain requests' (their token, when
         # vLLM's sampler would take nothing else)
-        argmax = logits.argmax(dim=-1).cpu().numpy()
+        argmax = row_argmax(logits).cpu().numpy()
         logprobs = self._sample_untreed(logits, spec_meta, orig_sample, step, sm, out,
                                         argmax[logits_start])
         root_rows = logits_start[step.batch_indices]
