@@ -148,18 +148,7 @@ def test_tree_rows_match_cpp_attention_on_a_chain():
     assert torch.allclose(ours, ref[1:], atol=1e-5)
 
     # vLLM's own C++ op over the same cache agrees on every row
-    out = torch.empty(n + 1, hq, D)
-    qsl = torch.tensor([0, n + 1], dtype=torch.int32)
-    seq_lens = torch.tensor([seq_len], dtype=torch.int32)
-    meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=1, num_heads=hq, num_kv_heads=KVH, head_dim=D, seq_lens=seq_lens,
-        dtype=torch.float32, query_start_loc=qsl, causal=True, sliding_window_size=-1,
-        isa="vec", enable_kv_split=False)
-    ops.cpu_attention_with_kv_cache(
-        query=q, key_cache=parts[1], value_cache=parts[2], output=out, query_start_loc=qsl,
-        seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1,
-        block_table=blocks.view(1, -1).to(torch.int32), softcap=0, scheduler_metadata=meta,
-        s_aux=None)
+    out = _causal_rows(parts, "vec", q, blocks.to(torch.int32), seq_len, scale)
     assert torch.allclose(out[1:], ours, atol=1e-4)
 
 
