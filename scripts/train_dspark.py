@@ -72,6 +72,52 @@ from vllm_ptd.pctree.drafter import DSparkConfig, DSparkDrafter  # noqa: E402
 from vllm_ptd.pctree.expand import expand_trees  # noqa: E402
 
 SPEC_BENCH_TRAIN_CATEGORIES = ("translation", "summarization", "qa", "rag")
+# Share of the training prompts per source (``take`` stops early where a source runs out).
+# Run 2 of the packaged drafter used the first six alone (0.35, 0.25, 0.15, 0.1, 0.075,
+# 0.075); run 3 added the two sources written here, since MT-Bench and HumanEval had none.
+SOURCE_MIX = {"gsm8k": 0.22, "mbpp": 0.12, "stdlib_code": 0.26, "chat": 0.2, "qa": 0.05,
+              "translation": 0.05, "summarization": 0.05, "rag": 0.05}
+# Pure-Python standard-library modules whose public functions become code prompts.
+STDLIB_CODE_MODULES = (
+    "base64", "bisect", "calendar", "colorsys", "configparser", "contextlib", "copy", "csv",
+    "dataclasses", "decimal", "difflib", "email.utils", "enum", "filecmp", "fnmatch", "fractions",
+    "functools", "genericpath", "gettext", "glob", "graphlib", "heapq", "html", "inspect",
+    "ipaddress", "json", "keyword", "linecache", "locale", "mimetypes", "netrc", "ntpath",
+    "numbers", "operator", "pathlib", "platform", "plistlib", "posixpath", "pprint", "quopri",
+    "random", "re", "reprlib", "sched", "secrets", "shlex", "shutil", "statistics", "string",
+    "tempfile", "textwrap", "tokenize", "traceback", "types", "typing", "urllib.parse",
+    "warnings", "weakref")
+CODE_WRAPPERS = (
+    "Write a solution to the following problem and make sure that it passes the tests:\n"
+    "```python\n{code}\n```",
+    "Complete the following Python function. Explain your approach briefly, then give the "
+    "code.\n\n```python\n{code}\n```",
+    "Implement this function in Python without using the module it comes from:\n{code}")
+# Assistant requests in MT-Bench's eight categories, written for this script (topic x
+# template); none is an MT-Bench question.
+CHAT_TEMPLATES = (
+    "Write a short blog post about {t}.", "Explain {t} to a high-school student.",
+    "Give me five practical tips about {t}, with one sentence on each.",
+    "Pretend you are a tour guide and tell visitors about {t}.",
+    "What are the main arguments for and against {t}? Answer in two paragraphs.",
+    "Summarize the history of {t} in about 150 words.",
+    "Write a persuasive email to a colleague about {t}.",
+    "List three common misconceptions about {t} and correct each one.",
+    "Compose a short poem about {t}.",
+    "Draft a step-by-step plan for a beginner who wants to learn about {t}.",
+    "Explain the science behind {t} and give one everyday example.",
+    "Write a dialogue between a teacher and a student discussing {t}.")
+CHAT_TOPICS = (
+    "renewable energy", "the Roman Empire", "machine learning", "healthy sleep habits",
+    "climate change", "the stock market", "public libraries", "electric cars", "photosynthesis",
+    "the French Revolution", "remote work", "volcanoes", "personal budgeting", "vaccines",
+    "the printing press", "urban gardening", "black holes", "learning a second language",
+    "ocean currents", "social media and teenagers", "the water cycle", "ancient Egypt",
+    "public speaking", "recycling plastics", "the human immune system", "chess openings",
+    "impressionist painting", "time management", "earthquakes", "the Silk Road",
+    "open-source software", "bees and pollination", "inflation", "the Olympic Games",
+    "meditation", "3D printing", "the Great Wall of China", "nutrition labels", "jazz music",
+    "space exploration", "cybersecurity at home", "the theory of evolution")
 DEFAULT_OUT = REPO / "vllm_ptd" / "pctree" / "drafters" / "dspark-smollm2-135m"
 DEFAULT_DRAFT_VOCAB = 4096  # words; see the drafter README for the held-out tau it costs and what it saves
 
@@ -107,6 +153,40 @@ def benchmark_texts() -> set[str]:
     return texts
 
 
+def stdlib_code_prompts() -> list[str]:
+    """Code prompts in the shape of HumanEval's (a signature and its docstring, to be
+    implemented), from the public functions of :data:`STDLIB_CODE_MODULES` with a docstring
+    of 60 characters or more; the wrapper text cycles through :data:`CODE_WRAPPERS`."""
+    import importlib
+    import inspect
+
+    prompts = []
+    for mod in STDLIB_CODE_MODULES:
+        try:
+            module = importlib.import_module(mod)
+        except ImportError:
+            continue
+        for name, fn in sorted(vars(module).items()):
+            if name.startswith("_") or not inspect.isfunction(fn) or fn.__module__ != module.__name__:
+                continue
+            doc = inspect.getdoc(fn)
+            try:
+                sig = str(inspect.signature(fn))
+            except (TypeError, ValueError):
+                continue
+            if not doc or len(doc) < 60:
+                continue
+            body = "\n".join(("    " + line).rstrip() for line in doc.splitlines())
+            code = f'def {name}{sig}:\n    """\n{body}\n    """\n'
+            prompts.append(CODE_WRAPPERS[len(prompts) % len(CODE_WRAPPERS)].format(code=code))
+    return prompts
+
+
+def chat_prompts() -> list[str]:
+    """Every :data:`CHAT_TEMPLATES` x :data:`CHAT_TOPICS` request."""
+    return [tpl.format(t=topic) for topic in CHAT_TOPICS for tpl in CHAT_TEMPLATES]
+
+
 def training_prompts(ddir: Path, seed: int) -> dict[str, list[str]]:
     """Candidate prompts by source, shuffled with ``seed``, benchmark prompts removed."""
     from vllm_ptd.datasets import SAMPLE_SEED, SAMPLE_SIZE
@@ -120,6 +200,8 @@ def training_prompts(ddir: Path, seed: int) -> dict[str, list[str]]:
     for r in _jsonl(ddir / "spec_bench" / "question.jsonl"):
         if r.get("category") in SPEC_BENCH_TRAIN_CATEGORIES:
             pools.setdefault(r["category"], []).append(r["turns"][0])
+    pools["stdlib_code"] = stdlib_code_prompts()
+    pools["chat"] = chat_prompts()
     rng = random.Random(seed)
     for name in pools:
         pools[name] = [t for t in pools[name] if t.strip() not in bench]
@@ -239,7 +321,7 @@ def teacher_forced(model, seqs: list[list[int]], prompt_lens: list[int], hidden_
 def build_data(args, model, tok, hidden_ids, t_start: float) -> dict:
     ddir = data_dir(args.data_dir)
     pools = training_prompts(ddir, args.seed)
-    mix = {"gsm8k": 0.35, "mbpp": 0.25, "qa": 0.15, "translation": 0.1, "summarization": 0.075, "rag": 0.075}
+    mix = SOURCE_MIX
     from vllm_ptd.datasets import chat_prompt_ids
 
     def take(n_total: int, offset: dict[str, int]) -> list[tuple[str, list[int]]]:
@@ -303,6 +385,10 @@ def build_data(args, model, tok, hidden_ids, t_start: float) -> dict:
         "gsm8k": "deepspec/gsm8k.jsonl minus the seed-0 GSM-100 sample",
         "mbpp": "deepspec/mbpp.jsonl minus the seed-0 MBPP-100 sample",
         "spec_bench": f"spec_bench/question.jsonl categories {list(SPEC_BENCH_TRAIN_CATEGORIES)}",
+        "stdlib_code": f"functions of {len(STDLIB_CODE_MODULES)} Python standard-library modules "
+                       f"as code prompts (signature and docstring)",
+        "chat": f"{len(CHAT_TEMPLATES)} request templates x {len(CHAT_TOPICS)} topics",
+        "mix": SOURCE_MIX,
         "excluded": "every MT-Bench, HumanEval, GSM-100 and MBPP-100 prompt text",
     }
     return data
@@ -515,7 +601,8 @@ def main(argv=None) -> int:
     cache = Path(args.data_cache) if args.data_cache else None
     key = dict(target=str(target), hidden=list(hidden_ids), train=args.train_prompts, eval=args.eval_prompts,
                max_new=args.max_new_tokens, topk=args.topk, seed=args.seed, maxp=args.max_prompt_tokens,
-               batch=args.gen_batch, data_budget=args.data_budget_min, generator=args.generator)
+               batch=args.gen_batch, data_budget=args.data_budget_min, generator=args.generator,
+               mix=SOURCE_MIX)
     if cache is not None and cache.is_file():
         blob = torch.load(cache, weights_only=False)
         if blob.get("key") == key:
