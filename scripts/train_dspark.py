@@ -9,7 +9,14 @@ and the first 100 of the seed-0 samples of GSM8K and MBPP, see ``vllm_ptd.datase
 * MBPP (sanitized test) questions outside the MBPP-100 sample,
 * Spec-Bench categories translation, summarization, qa and rag (MT-Bench's eight
   categories and math_reasoning, which is drawn from GSM8K, are left out),
-* no HumanEval at all.
+* code prompts in HumanEval's shape (a signature and docstring to implement) from the
+  public functions of pure-Python standard-library modules (``stdlib_code_prompts``),
+* assistant requests of MT-Bench's kinds written from templates and topics here
+  (``chat_prompts``; none is an MT-Bench question),
+* no HumanEval or MT-Bench prompt at all.
+
+``SOURCE_MIX`` sets each source's share of ``--train-prompts`` (a source that runs out
+gives what it has).
 
 Every prompt whose text equals a benchmark prompt is dropped as well. A disjoint held-out
 slice of the same pools measures tau at the end.
@@ -156,10 +163,16 @@ def benchmark_texts() -> set[str]:
 def stdlib_code_prompts() -> list[str]:
     """Code prompts in the shape of HumanEval's (a signature and its docstring, to be
     implemented), from the public functions of :data:`STDLIB_CODE_MODULES` with a docstring
-    of 60 characters or more; the wrapper text cycles through :data:`CODE_WRAPPERS`."""
+    of 60 characters or more and a name no HumanEval function has (``median``, ``search``,
+    ...: the docstrings differ, the names alone would invite the doubt); the wrapper text
+    cycles through :data:`CODE_WRAPPERS`."""
     import importlib
     import inspect
 
+    from vllm_ptd.datasets import load_prompts
+
+    humaneval_names = {p.text.split("\ndef ", 1)[1].split("(", 1)[0]
+                       for p in load_prompts("humaneval") if "\ndef " in p.text}
     prompts = []
     for mod in STDLIB_CODE_MODULES:
         try:
@@ -167,7 +180,8 @@ def stdlib_code_prompts() -> list[str]:
         except ImportError:
             continue
         for name, fn in sorted(vars(module).items()):
-            if name.startswith("_") or not inspect.isfunction(fn) or fn.__module__ != module.__name__:
+            if (name.startswith("_") or name in humaneval_names or not inspect.isfunction(fn)
+                    or fn.__module__ != module.__name__):
                 continue
             doc = inspect.getdoc(fn)
             try:

@@ -36,3 +36,22 @@ def test_teacher_forced_matches_decoding_loop(train_dspark, tiny_model_path):
         assert a["top_ids"].shape == b["top_ids"].shape == (len(a["ids"]) - 1 - a["prompt_len"], 4)
         assert torch.equal(a["top_ids"][:, 0], b["top_ids"][:, 0])  # the greedy token
         torch.testing.assert_close(a["top_p"].float(), b["top_p"].float(), atol=1e-3, rtol=1e-3)
+
+
+def test_training_prompts_leave_benchmark_prompts_out(train_dspark):
+    """Every source of SOURCE_MIX has prompts, none is a benchmark prompt (nor one of
+    HumanEval's functions in the code prompts), and the pools come out the same for a seed."""
+    ddir = train_dspark.data_dir(None)
+    pools = train_dspark.training_prompts(ddir, seed=0)
+    assert set(train_dspark.SOURCE_MIX) <= set(pools)
+    assert all(pools[name] for name in train_dspark.SOURCE_MIX)
+    bench = train_dspark.benchmark_texts()
+    texts = [t.strip() for pool in pools.values() for t in pool]
+    assert not bench & set(texts)
+    from vllm_ptd.datasets import load_prompts
+
+    he_names = {p.text.split("\ndef ", 1)[1].split("(", 1)[0] for p in load_prompts("humaneval")
+                if "\ndef " in p.text}
+    code_names = {t.split("def ", 1)[1].split("(", 1)[0] for t in pools["stdlib_code"]}
+    assert he_names and not he_names & code_names
+    assert train_dspark.training_prompts(ddir, seed=0) == pools
