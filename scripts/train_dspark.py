@@ -84,7 +84,8 @@ SPEC_BENCH_TRAIN_CATEGORIES = ("translation", "summarization", "qa", "rag")
 # 0.075); run 3 added the two sources written here, since MT-Bench and HumanEval had none.
 SOURCE_MIX = {"gsm8k": 0.22, "mbpp": 0.12, "stdlib_code": 0.26, "chat": 0.2, "qa": 0.05,
               "translation": 0.05, "summarization": 0.05, "rag": 0.05}
-# Pure-Python standard-library modules whose public functions become code prompts.
+# Pure-Python standard-library modules whose public functions become code prompts (which
+# functions depends on the interpreter's version: run 3 read Python 3.11's).
 STDLIB_CODE_MODULES = (
     "base64", "bisect", "calendar", "colorsys", "configparser", "contextlib", "copy", "csv",
     "dataclasses", "decimal", "difflib", "email.utils", "enum", "filecmp", "fnmatch", "fractions",
