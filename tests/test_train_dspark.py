@@ -41,7 +41,10 @@ def test_teacher_forced_matches_decoding_loop(train_dspark, tiny_model_path):
 def test_training_prompts_leave_benchmark_prompts_out(train_dspark):
     """Every source of SOURCE_MIX has prompts, none is a benchmark prompt (nor one of
     HumanEval's functions in the code prompts), and the pools come out the same for a seed."""
-    ddir = train_dspark.data_dir(None)
+    try:
+        ddir = train_dspark.data_dir(None)
+    except SystemExit as e:  # a checkout without ../shared/data and no VLLM_PTD_DATA
+        pytest.skip(str(e))
     pools = train_dspark.training_prompts(ddir, seed=0)
     assert set(train_dspark.SOURCE_MIX) <= set(pools)
     assert all(pools[name] for name in train_dspark.SOURCE_MIX)
