@@ -161,6 +161,14 @@ def benchmark_texts() -> set[str]:
     return texts
 
 
+def humaneval_function_names() -> set[str]:
+    """The name of the function each HumanEval prompt asks for."""
+    from vllm_ptd.datasets import load_prompts
+
+    return {p.text.split("\ndef ", 1)[1].split("(", 1)[0]
+            for p in load_prompts("humaneval") if "\ndef " in p.text}
+
+
 def stdlib_code_prompts() -> list[str]:
     """Code prompts in the shape of HumanEval's (a signature and its docstring, to be
     implemented), from the public functions of :data:`STDLIB_CODE_MODULES` with a docstring
@@ -170,10 +178,7 @@ def stdlib_code_prompts() -> list[str]:
     import importlib
     import inspect
 
-    from vllm_ptd.datasets import load_prompts
-
-    humaneval_names = {p.text.split("\ndef ", 1)[1].split("(", 1)[0]
-                       for p in load_prompts("humaneval") if "\ndef " in p.text}
+    humaneval_names = humaneval_function_names()
     prompts = []
     for mod in STDLIB_CODE_MODULES:
         try:

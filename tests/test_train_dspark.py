@@ -51,10 +51,7 @@ def test_training_prompts_leave_benchmark_prompts_out(train_dspark):
     bench = train_dspark.benchmark_texts()
     texts = [t.strip() for pool in pools.values() for t in pool]
     assert not bench & set(texts)
-    from vllm_ptd.datasets import load_prompts
-
-    he_names = {p.text.split("\ndef ", 1)[1].split("(", 1)[0] for p in load_prompts("humaneval")
-                if "\ndef " in p.text}
+    he_names = train_dspark.humaneval_function_names()
     code_names = {t.split("def ", 1)[1].split("(", 1)[0] for t in pools["stdlib_code"]}
     assert he_names and not he_names & code_names
     assert train_dspark.training_prompts(ddir, seed=0) == pools
