@@ -259,6 +259,36 @@ def test_expansion_matches_naive(mode, k, N):
     assert tree.num_nodes == min(N, pool_capacity(k, dr.block_size)) - 1
 
 
+@pytest.mark.parametrize("mode", ["pctree", "shared"])
+def test_expansion_stops_once_no_stage_can_change_the_top_n(mode, monkeypatch):
+    """Stages after the frontier has fallen out of every request's top N are skipped, and
+    the trees are those of all stages (the naive expansion runs them all). Peaked rows make
+    the shallow nodes certain and the deep ones unlikely, so the stop comes early."""
+    import vllm_ptd.pctree.expand as expand_mod
+
+    calls = []
+    real = expand_mod.frontier_is_out
+
+    def spy(*args):
+        calls.append(real(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(expand_mod, "frontier_is_out", spy)
+    dr = make_drafter(seed=5, std=0.3)
+    g = torch.Generator().manual_seed(11)
+    U = torch.randn(3, dr.block_size, V, generator=g)
+    U[:, 2:] *= 0.1  # flat from the third stage on: its nodes score below the shallow ones
+    U[:, :2] *= 6
+    roots = [7, 30, 7]
+    trees = expand_trees(U, roots, markov=dr.markov_head, k=3, max_nodes=8, mode=mode)
+    # checked after stages 2, 3 and 4 of 5 (once the pool holds 8 nodes): stopped at the
+    # first check that found the frontier out, before the last
+    assert calls.count(True) == 1 and calls[-1] and len(calls) < 3
+    for i, t in enumerate(trees):
+        toks, pars = naive_expand(U[i], roots[i], dr.markov_head, 3, 8, mode=mode)
+        assert t.tokens == toks and t.parents == pars
+
+
 def test_global_top_n_keeps_root_and_best_nodes():
     dr = make_drafter(seed=9, std=0.8)
     U = torch.randn(3, dr.block_size, V, generator=torch.Generator().manual_seed(1)) * 3
