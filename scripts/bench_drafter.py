@@ -3,8 +3,9 @@
 --new-rows target rows per request into the drafter's context (what a proposal does first
 with the rows of the steps since the last one), the block (backbone and output projection
 over the block) and the tree expansion, for --requests requests drafting together with
-contexts of random target rows, in torch's GEMM and in vLLM's prepacked CPU GEMM (fp32 and
-bf16), over the drafter's draft vocabulary and over all words. Prints the median ms per call
+contexts of random target rows, in torch's GEMM, in vLLM's prepacked CPU GEMM (fp32 and
+bf16) and in its int8 GEMM (``drafter_gemm: "int8"``, the rest in bf16), over the drafter's
+draft vocabulary and over all words. Prints the median ms per call
 over --calls calls (after two warm-up calls).
 
 In an engine the target's forward runs between two drafting calls and leaves none of the
@@ -47,7 +48,7 @@ def main() -> int:
 
     import torch
 
-    from vllm_ptd.integration.proposer import engine_linear_kernel
+    from vllm_ptd.integration.proposer import engine_int8_linear_kernel, engine_linear_kernel
     from vllm_ptd.model_store import ensure_default_model
     from vllm_ptd.pctree.config import PCTreeConfig
     from vllm_ptd.pctree.expand import expand_trees
@@ -69,8 +70,10 @@ def main() -> int:
 
     target = ensure_default_model()
     kernel = engine_linear_kernel(torch.device("cpu"))
+    int8_kernel = engine_int8_linear_kernel(torch.device("cpu"))
     variants = [("torch", None, torch.float32), ("vLLM oneDNN", kernel, torch.float32),
-                ("vLLM oneDNN", kernel, torch.bfloat16)]
+                ("vLLM oneDNN", kernel, torch.bfloat16),
+                ("vLLM oneDNN int8", int8_kernel, torch.bfloat16)]
     sizes = [None if v.strip() == "default" else int(v) for v in args.draft_vocab.split(",")]
     counts = [int(v) for v in args.requests.split(",")]
     colds = [int(v) for v in args.cold_mib.split(",")]

@@ -54,6 +54,7 @@ def test_ptd_bad_values_name_key_and_range(key, value, pattern):
     ("mode", "marginal", r"'mode'.*\['pctree', 'shared', 'chain'\]"),
     ("model", 3, r"'model'"),
     ("drafter_dtype", "int8", r"'drafter_dtype'.*\['auto', 'float32', 'bfloat16', 'float16'\]"),
+    ("drafter_gemm", "fp8", r"'drafter_gemm'.*\['auto', 'float', 'int8'\]"),
 ])
 def test_pctree_bad_values_name_key_and_range(key, value, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -90,6 +91,23 @@ def test_pctree_drafter_dtype(monkeypatch):
     assert c.drafter_torch_dtype(torch.float32, "cuda") == torch.float32  # the engine's elsewhere
     monkeypatch.setattr(pctree_config, "cpu_has_fast_bf16", lambda: False)
     assert c.drafter_torch_dtype(torch.float32, "cpu") == torch.float32
+
+
+def test_pctree_drafter_gemm():
+    """"auto" takes the engine's int8 GEMM where it has one, "float" never does, and "int8"
+    where the engine has none is refused naming the key."""
+    def float_gemm(w, b):
+        return None
+
+    def int8_gemm(w, b):
+        return None
+
+    assert PCTreeConfig().drafter_linear_kernel(float_gemm, int8_gemm) is int8_gemm
+    assert PCTreeConfig().drafter_linear_kernel(float_gemm, None) is float_gemm
+    assert PCTreeConfig(drafter_gemm="float").drafter_linear_kernel(float_gemm, int8_gemm) is float_gemm
+    assert PCTreeConfig(drafter_gemm="int8").drafter_linear_kernel(float_gemm, int8_gemm) is int8_gemm
+    with pytest.raises(ValueError, match=r"'drafter_gemm'\] = 'int8' needs"):
+        PCTreeConfig(drafter_gemm="int8").drafter_linear_kernel(float_gemm, None)
 
 
 def test_methods_are_found_by_name():

@@ -669,6 +669,41 @@ def test_engine_linear_kernel_keeps_drafts_and_parameter_names(kind):
     assert outs[1][2] == outs[0][2]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_kernel_is_close_to_the_float_layer(dtype):
+    """vLLM's int8 CPU GEMM (``drafter_gemm``): each layer's output within a few per cent of
+    the float layer's, in the input's dtype, also after the weight it was made from is gone
+    (the handler reads the quantized copy, which the kernel must keep alive), and a drafter
+    on it drafts logits close to the float drafter's."""
+    import gc
+
+    pytest.importorskip("vllm")
+    from vllm_ptd.integration.proposer import engine_int8_linear_kernel
+
+    make = engine_int8_linear_kernel(torch.device("cpu"))
+    if make is None:
+        pytest.skip("this vLLM build has no oneDNN int8 GEMM")
+    g = torch.Generator().manual_seed(0)
+    for n_out, n_in, bias in ((40, 24, True), (576, 576, False), (96, 64, False)):
+        w = (torch.randn(n_out, n_in, generator=g) * 0.05).to(dtype)
+        b = torch.randn(n_out, generator=g).to(dtype) if bias else None
+        run = make(w.clone(), None if b is None else b.clone())
+        gc.collect()
+        x = torch.randn(2, 3, n_in, generator=g).to(dtype)
+        y = run(x)
+        ref = x.float() @ w.float().t() + (0 if b is None else b.float())
+        assert y.shape == (2, 3, n_out) and y.dtype == dtype
+        assert float((y.float() - ref).norm() / ref.norm()) < 0.03
+    plain, quantized = make_drafter(seed=3), make_drafter(seed=3)
+    quantized.use_linear_kernel(make)
+    Us = []
+    for dr in (plain, quantized):
+        c = dr.new_context()
+        dr.append_context(c, rows(9, 21), 0)
+        Us.append(dr.draft_block(c, 5)[0])
+    assert float((Us[1] - Us[0]).norm() / Us[0].norm()) < 0.05
+
+
 def test_tied_target_embeddings_are_converted_once():
     """Two views of one tied embedding (as the engine passes them) become one tensor in the
     drafter's dtype; untied ones stay apart."""

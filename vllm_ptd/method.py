@@ -110,6 +110,8 @@ class BuildContext:
     # the engine's GEMM for a fixed weight, ``make(weight, bias) -> fn(x)``, for a method's
     # own layers (None: torch's)
     linear_kernel: Callable[[torch.Tensor, torch.Tensor | None], Callable] | None = None
+    # the same with int8 weights and activations, where the engine has one (None: none)
+    int8_linear_kernel: Callable[[torch.Tensor, torch.Tensor | None], Callable] | None = None
 
 
 @dataclass(frozen=True)

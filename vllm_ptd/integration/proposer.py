@@ -185,6 +185,47 @@ def engine_linear_kernel(device: torch.device):
     return make
 
 
+def engine_int8_linear_kernel(device: torch.device):
+    """Like :func:`engine_linear_kernel`, with int8 weights and activations: on CPU, vLLM's
+    oneDNN int8 GEMM (``ops.create_onednn_scaled_mm``, as its W8A8 layers run) over a
+    weight quantized once per output row, each call quantizing its input per row; elsewhere
+    None. The output keeps the input's dtype. For a drafter only: its drafts choose what is
+    verified, never what is output. Why: at a block's 28 rows (4 requests) its GEMMs took
+    about 0.6 of the bf16 GEMM's time here (a 2-core AMD EPYC with AVX512-BF16 and VNNI,
+    one thread: 4096 x 576 over 28 rows 395 against 637 us), with a relative error of about
+    1 % against 0.3 %."""
+    if device.type != "cpu":
+        return None
+    try:
+        from vllm import _custom_ops as ops
+    except ImportError:
+        return None
+    if not getattr(ops, "_supports_onednn", False) or not hasattr(ops, "create_onednn_scaled_mm"):
+        return None
+
+    def make(weight: torch.Tensor, bias: torch.Tensor | None):
+        w = weight.float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        quantized = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        out_features, in_features = weight.shape
+        handler = ops.create_onednn_scaled_mm(quantized.t(), scale, weight.dtype, True, False, 32)
+        # the handler reads the quantized weight and its scales where they lie: keep them
+        handler.weight_and_scales = (quantized, scale)
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            rows = x.reshape(-1, in_features)
+            xq, x_scale, _ = ops.onednn_scaled_int8_quant(rows, None, None, True)
+            out = torch.empty(rows.shape[0], out_features, dtype=weight.dtype, device=x.device)
+            ops.onednn_scaled_mm(handler, xq, out, x_scale, None, None, None)
+            if bias is not None:
+                out += bias
+            return out.view(*x.shape[:-1], out_features)
+
+        return run
+
+    return make
+
+
 class TreeProposer:
     def __init__(self, vllm_config) -> None:
         entry = (vllm_config.additional_config or {}).get("vllm_ptd")
@@ -268,7 +309,8 @@ class TreeProposer:
                            eos_token_ids=_eos_ids(self.model_config),
                            tokenizer=self.model_config.tokenizer, device=embed.device,
                            dtype=embed.dtype, target_embeddings=(embed, head),
-                           linear_kernel=engine_linear_kernel(embed.device))
+                           linear_kernel=engine_linear_kernel(embed.device),
+                           int8_linear_kernel=engine_int8_linear_kernel(embed.device))
         self.method = self.spec.build(self.options, ctx)
 
     def num_offered(self, req_id: str, sent: int) -> int:

@@ -13,6 +13,7 @@ from vllm_ptd.hardware import cpu_has_fast_bf16
 MODES = ("pctree", "shared", "chain")
 DEFAULT_BRANCHING = 4
 DRAFTER_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DRAFTER_GEMMS = ("auto", "float", "int8")
 
 
 def pool_capacity(k: int, depth: int) -> int:
@@ -42,6 +43,7 @@ class PCTreeConfig:
     mode: str = "pctree"
     budget: str = "auto"         # "auto"/"per_step": each step's tree sized by the cost model
     drafter_dtype: str = "auto"  # "auto": see drafter_torch_dtype
+    drafter_gemm: str = "auto"   # the drafter's linear layers: see drafter_linear_kernel
     # words drafts are drawn from: None = the drafter folder's default, 0 = all (draft_vocab.py)
     draft_vocab: int | None = None
     # rows of committed text a request that does not draft keeps for its drafter to catch
@@ -59,6 +61,7 @@ class PCTreeConfig:
         check_choice("mode", self.mode, MODES)
         check_choice("budget", self.budget, BUDGET_MODES)
         check_choice("drafter_dtype", self.drafter_dtype, DRAFTER_DTYPES)
+        check_choice("drafter_gemm", self.drafter_gemm, DRAFTER_GEMMS)
         if self.draft_vocab is not None:
             check_int("draft_vocab", self.draft_vocab, 0, 1 << 24)
         if self.catch_up_rows is not None:
@@ -78,6 +81,18 @@ class PCTreeConfig:
         if torch.device(device).type == "cpu" and cpu_has_fast_bf16():
             return torch.bfloat16
         return engine_dtype
+
+    def drafter_linear_kernel(self, float_kernel, int8_kernel):
+        """The GEMM factory the drafter's linear layers run on (None: torch's): ``"float"``
+        the engine's GEMM in the drafter's dtype, ``"int8"`` the engine's int8 GEMM (an
+        error where the engine has none), ``"auto"`` int8 where the engine has it. Like
+        the dtype, this only changes the drafts, never the output."""
+        if self.drafter_gemm == "int8" and int8_kernel is None:
+            raise ValueError("speculative_config['drafter_gemm'] = 'int8' needs vLLM's int8 "
+                             "CPU GEMM (oneDNN), which this engine does not have; use 'float'")
+        if self.drafter_gemm == "float":
+            return float_kernel
+        return int8_kernel if int8_kernel is not None else float_kernel
 
     @property
     def is_resolved(self) -> bool:

@@ -10,7 +10,9 @@ def _build(options: PCTreeConfig, ctx: BuildContext):
 
     return PCTreeMethod(options, ctx.target_config, ctx.target_embeddings,
                         dtype=options.drafter_torch_dtype(ctx.dtype, ctx.device),
-                        device=ctx.device, linear_kernel=ctx.linear_kernel)
+                        device=ctx.device,
+                        linear_kernel=options.drafter_linear_kernel(ctx.linear_kernel,
+                                                                    ctx.int8_linear_kernel))
 
 
 def _hidden_layer_ids(options: PCTreeConfig, target_config) -> tuple[int, ...]:
