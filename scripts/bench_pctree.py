@@ -108,15 +108,15 @@ def main(argv=None) -> int:
     modes = list(methods)
     print()
     hdr = f"{'dataset':10s} {'mode':7s} {'tau':>6s} {'rounds':>7s} {'util':>6s} {'rows':>5s} " + \
-          " ".join(f"S({d})".rjust(5) for d in range(1, any_m.depth + 1))
+          " ".join(f"S({d})".rjust(5) for d in range(1, any_m.config.depth + 1))
     print(hdr)
     print("-" * len(hdr))
     for ds, res in results["datasets"].items():
         for mode in modes:
             r = res[mode]
-            surv = r["survival"] + [0.0] * (any_m.depth + 1 - len(r["survival"]))
+            surv = r["survival"] + [0.0] * (any_m.config.depth + 1 - len(r["survival"]))
             print(f"{ds:10s} {mode:7s} {r['tau']:6.3f} {r['rounds_per_sample']:7.1f} {r['utilisation']:6.3f} "
-                  f"{r['verify_per_step']:5.1f} " + " ".join(f"{s:5.2f}" for s in surv[1: any_m.depth + 1])
+                  f"{r['verify_per_step']:5.1f} " + " ".join(f"{s:5.2f}" for s in surv[1: any_m.config.depth + 1])
                   + (f"  plain-equal {r['equal_to_plain']}" if "equal_to_plain" in r else ""))
     overall = {}
     for mode in modes:
