@@ -571,3 +571,24 @@ def test_a_step_mixing_a_prefill_with_trees_is_no_error_of_the_sizing():
                         taken_ms=5000.0)   # the engine idling: no host time, nothing learnt
     assert budget.calibration.time_ratio(4) == pytest.approx((108 + 8 * 90) / (90 + 8 * 90),
                                                              rel=1e-3)  # (but a step faded)
+
+
+def test_draft_depth_follows_the_deepest_kept_node_and_fades():
+    """No limit before the first sizing at a batch size; then one level below the deepest
+    node kept there, falling by ``REACH_FADE`` per sizing that keeps nothing that deep, and
+    rising one level at a time as trees are kept to their last level."""
+    budget = TreeBudget(linear_cost(50.0, 0.5))
+    assert budget.draft_depth(1) is None
+    chain = FlatTree([1, 2, 3, 4], [-1, 0, 1, 2], scores=[0.99, 0.99, 0.99, 0.99],
+                     groups=[1, 2, 3, 4])
+    (kept,) = budget.size(["r"], [chain], base_rows=1, num_requests=1)
+    assert kept.num_nodes == 4 and budget.draft_depth(1) == 5
+    assert budget.draft_depth(4) is None  # another batch size learns its own
+    hopeless = FlatTree([1], [-1], scores=[0.001], groups=[1])
+    steps = 0
+    while budget.draft_depth(1) > 1:
+        budget.size(["r"], [hopeless], base_rows=1, num_requests=1)
+        steps += 1
+    assert steps == round(4 / TreeBudget.REACH_FADE)
+    (kept,) = budget.size(["r"], [chain.truncated(1)], base_rows=1, num_requests=1)
+    assert kept.num_nodes == 1 and budget.draft_depth(1) == 2

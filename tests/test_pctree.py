@@ -571,6 +571,34 @@ def test_queue_keeps_the_last_rows_of_its_pieces_without_holding_the_rest():
             assert ptr not in originals or originals[ptr] == piece.shape[0]
 
 
+def test_max_depth_cuts_the_drafter_block_and_the_trees(tmp_path, monkeypatch):
+    """``propose(..., max_depth=d)`` drafts a block of d rows (no more than the drafter's)
+    and trees no deeper than d; the block is the drafter's own for that many rows."""
+    dr = make_drafter(seed=4)
+    save_drafter(dr, tmp_path)
+    m = PCTreeMethod(PCTreeConfig(model=str(tmp_path), branching=3, max_nodes=9), TARGET,
+                     dr.embed_tokens.weight.detach())
+    for rid, n in (("a", 6), ("b", 9)):
+        m.start(rid, list(range(n)), rows(n, n))
+    blocks = []
+    real = DSparkDrafter.draft_block
+
+    def spy(self, ctxs, last_tokens, positions=None, rows=None):
+        blocks.append(rows)
+        return real(self, ctxs, last_tokens, positions, rows=rows)
+
+    monkeypatch.setattr(DSparkDrafter, "draft_block", spy)
+    for limit, want in ((2, 2), (1, 1), (99, dr.block_size), (None, dr.block_size)):
+        trees = m.propose(["a", "b"], [7, 8], max_depth=limit)
+        assert blocks[-1] == want
+        assert all(t.num_nodes > 0 and max(t.depths()) <= want for t in trees)
+    ctx = m._requests["a"].ctx
+    U, h = real(m.drafter, ctx, 7, rows=2)
+    assert U.shape[0] == h.shape[0] == 2
+    with pytest.raises(ValueError, match="block of 0 rows"):
+        real(m.drafter, ctx, 7, rows=0)
+
+
 def test_method_lifecycle_and_batching(tmp_path):
     dr = make_drafter(seed=4)
     save_drafter(dr, tmp_path)

@@ -738,6 +738,7 @@ class TreeBudget:
     MIN_EXPLORE = 0.25
     HIT_MEMORY = 16
     PRIOR_TRIES = 4.0  # before any try at a batch size: this many, half of them hits
+    REACH_FADE = 0.125  # levels the reach of the kept trees loses per sizing (draft_depth)
 
     def __init__(self, cost: StepCostModel, acceptance: AcceptanceModel | None = None) -> None:
         self.cost = cost
@@ -751,6 +752,8 @@ class TreeBudget:
         # batch bucket -> [tries whose trees paid, tries], each weighing the earlier ones
         # down by 1 - 1 / HIT_MEMORY
         self._tries: dict[int, list[float]] = {}
+        # batch bucket -> the depth of the deepest node kept lately (draft_depth)
+        self._reach: dict[int, float] = {}
         self.last: Allocation | None = None
 
     def should_draft(self) -> bool:
@@ -758,6 +761,29 @@ class TreeBudget:
             self._skip -= 1
             return False
         return True
+
+    def draft_depth(self, num_requests: int) -> int | None:
+        """How deep the next proposal at this batch size should draft: one level below
+        the deepest node kept lately there (None before its first sizing: no limit). The
+        reach is the depth of the deepest kept node, or, when that is shallower, the last
+        reach less ``REACH_FADE``: one deep tree keeps drafting deep for a while, and
+        a tree kept to the last level drafted lets the next proposal go one deeper. Why:
+        a drafter block costs in proportion to its rows (``TreeMethod.propose``), and at
+        4 requests the budget kept a median of one or two nodes of a request's 15."""
+        reach = self._reach.get(StepCostModel.batch_bucket(num_requests))
+        return None if reach is None else math.ceil(reach) + 1
+
+    def _kept_reach(self, num_requests: int, parents: list[list[int]],
+                    kept: list[list[int]]) -> None:
+        deepest = 0
+        for par, keep in zip(parents, kept):
+            if keep:
+                depths = node_depths(par)
+                deepest = max(deepest, max(depths[i] for i in keep))
+        bucket = StepCostModel.batch_bucket(num_requests)
+        last = self._reach.get(bucket)
+        self._reach[bucket] = float(deepest) if last is None else max(
+            float(deepest), last - self.REACH_FADE)
 
     def _tried(self, num_requests: int, paid: bool) -> float:
         """Counts a try at this batch size; the share of tries that paid there."""
@@ -804,6 +830,7 @@ class TreeBudget:
                          self.calibration.time_ratio(num_requests),
                          self.calibration.token_ratio(num_requests), critical_lead)
         self.last = alloc
+        self._kept_reach(num_requests, parents, alloc.verify)
         if alloc.pays:
             self._misses, self._pause = 0, 1
             self._tried(num_requests, paid=True)

@@ -78,8 +78,13 @@ class TreeMethod(ABC, Generic[State]):
         """Feed back what the last forward computed for these requests."""
 
     @abstractmethod
-    def propose(self, req_ids: list[str], last_tokens: list[int]) -> list[FlatTree]:
-        """Next step's tree for each request, rooted at its last committed token."""
+    def propose(self, req_ids: list[str], last_tokens: list[int],
+                max_depth: int | None = None) -> list[FlatTree]:
+        """Next step's tree for each request, rooted at its last committed token.
+        ``max_depth``: how deep the step's budget expects to use a tree (``TreeBudget
+        .draft_depth``; None: no limit). A method whose drafting costs more the deeper it
+        drafts (PCTree's drafter block) drafts no deeper; one whose depth is free may
+        ignore it (the budget cuts every tree to what pays all the same)."""
 
     def skip(self, req_ids: list[str], last_tokens: list[int]) -> None:
         """These requests send no tree this step (drafting paused, or off at this batch

@@ -786,10 +786,11 @@ class DSparkDrafter(nn.Module):
     @torch.no_grad()
     def draft_block(self, ctxs: DraftContext | Sequence[DraftContext],
                     last_tokens: int | Sequence[int] | torch.Tensor,
-                    positions: int | Sequence[int] | torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    positions: int | Sequence[int] | torch.Tensor | None = None,
+                    rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One batched backbone call. For each request: block ``[x0, MASK * (B-1)]`` at
-        positions ``pos .. pos+B-1`` (``pos`` defaults to the context's ``next_position``).
+        positions ``pos .. pos+B-1`` (``pos`` defaults to the context's ``next_position``;
+        ``B``: ``rows``, 1 to the block size it was trained with, which is the default).
         Returns base logits ``U`` ``[b, B, V]`` (float32; ``V`` = the draft vocabulary's
         size after :meth:`restrict_vocab`) and hidden ``h`` ``[b, B, d]``;
         for a single context (not a list) the batch dimension is dropped. The block's K/V
@@ -797,7 +798,10 @@ class DSparkDrafter(nn.Module):
         single = isinstance(ctxs, DraftContext)
         ctx_list = [ctxs] if single else list(ctxs)
         b = len(ctx_list)
-        B = self.block_size
+        B = self.block_size if rows is None else int(rows)
+        if not 1 <= B <= self.block_size:
+            raise ValueError(f"a block of {B} rows: the drafter's blocks have 1 to "
+                             f"{self.block_size}")
         dev = self.device
         toks = torch.as_tensor([last_tokens] if isinstance(last_tokens, int) else last_tokens,
                                dtype=torch.long).flatten()

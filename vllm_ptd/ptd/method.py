@@ -195,7 +195,8 @@ class PTDMethod(TreeMethod[PTDRequest]):
             if st is not None:
                 self._take_last(st, int(last))
 
-    def propose(self, req_ids: list[str], last_tokens: list[int]) -> list[FlatTree]:
+    def propose(self, req_ids: list[str], last_tokens: list[int],
+                max_depth: int | None = None) -> list[FlatTree]:
         out = []
         c = self.config
         suffix = c.match == "suffix"
