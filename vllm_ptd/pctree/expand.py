@@ -52,8 +52,8 @@ def frontier_is_out(scores: torch.Tensor, frontier_scores: torch.Tensor, max_nod
     request's best frontier score is at most the ``max_nodes``-th best of its pool
     (``scores`` ``[R, M]``, root included), later stages change nothing that is kept. Why:
     a stage is a batched Markov bias, softmax and top-k over the draft vocabulary (at 4
-    requests about a third of a millisecond), and a tree of 15 nodes is often full of
-    shallow nodes by the third or fourth of seven stages."""
+    requests about a third of a millisecond), and a tree whose N best nodes are all
+    shallow needs none of the later stages."""
     nth_best = scores.topk(max_nodes, dim=1).values[:, -1]
     return bool((frontier_scores.max(dim=1).values <= nth_best).all())
 
