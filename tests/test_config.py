@@ -108,6 +108,9 @@ def test_pctree_drafter_gemm():
     assert PCTreeConfig(drafter_gemm="int8").drafter_linear_kernel(float_gemm, int8_gemm) is int8_gemm
     with pytest.raises(ValueError, match=r"'drafter_gemm'\] = 'int8' needs"):
         PCTreeConfig(drafter_gemm="int8").drafter_linear_kernel(float_gemm, None)
+    # refused before any engine starts where no engine has it
+    with pytest.raises(ValueError, match=r"'drafter_gemm'\] = 'int8' runs on .* cuda"):
+        PCTreeConfig(drafter_gemm="int8").resolved("cuda", None)
 
 
 def test_methods_are_found_by_name():

@@ -114,6 +114,9 @@ class PCTreeConfig:
         from vllm_ptd.pctree.checkpoint import read_drafter_config
         from vllm_ptd.pctree.method import resolve_drafter_path
 
+        if self.drafter_gemm == "int8" and device != "cpu":
+            raise ValueError(f"speculative_config['drafter_gemm'] = 'int8' runs on vLLM's int8 "
+                             f"CPU GEMM, and this engine runs on {device}; use 'auto' or 'float'")
         path = resolve_drafter_path(self.model, target_config)
         block = read_drafter_config(path).block_size
         return replace(self.for_block_size(block), model=str(path))
