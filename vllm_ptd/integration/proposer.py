@@ -164,18 +164,24 @@ def move_kv(step: TreeStep, src_verify_rows: list[int], dst_rows: list[int]) -> 
                                  stash.slot_mapping[dst])
 
 
-def engine_linear_kernel(device: torch.device):
-    """The GEMM vLLM runs the target's linear layers with, for a method's own layers: on CPU,
-    vLLM's oneDNN GEMM over a weight prepacked once (``ops.create_onednn_mm``; torch's CPU
-    GEMM is several times slower at a drafter block's few rows); elsewhere None (torch's,
-    i.e. cuBLAS). Each prepared weight is a copy held by the method."""
+def _cpu_onednn_ops(device: torch.device):
+    """vLLM's custom ops where they carry its oneDNN GEMMs (a CPU build), else None."""
     if device.type != "cpu":
         return None
     try:
         from vllm import _custom_ops as ops
     except ImportError:
         return None
-    if not getattr(ops, "_supports_onednn", False):
+    return ops if getattr(ops, "_supports_onednn", False) else None
+
+
+def engine_linear_kernel(device: torch.device):
+    """The GEMM vLLM runs the target's linear layers with, for a method's own layers: on CPU,
+    vLLM's oneDNN GEMM over a weight prepacked once (``ops.create_onednn_mm``; torch's CPU
+    GEMM is several times slower at a drafter block's few rows); elsewhere None (torch's,
+    i.e. cuBLAS). Each prepared weight is a copy held by the method."""
+    ops = _cpu_onednn_ops(device)
+    if ops is None:
         return None
 
     def make(weight: torch.Tensor, bias: torch.Tensor | None):
@@ -194,13 +200,8 @@ def engine_int8_linear_kernel(device: torch.device):
     about 0.6 of the bf16 GEMM's time here (a 2-core AMD EPYC with AVX512-BF16 and VNNI,
     one thread: 4096 x 576 over 28 rows 395 against 637 us), with a relative error of about
     1 % against 0.3 %."""
-    if device.type != "cpu":
-        return None
-    try:
-        from vllm import _custom_ops as ops
-    except ImportError:
-        return None
-    if not getattr(ops, "_supports_onednn", False) or not hasattr(ops, "create_onednn_scaled_mm"):
+    ops = _cpu_onednn_ops(device)
+    if ops is None or not hasattr(ops, "create_onednn_scaled_mm"):
         return None
 
     def make(weight: torch.Tensor, bias: torch.Tensor | None):
