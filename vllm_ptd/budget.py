@@ -547,6 +547,7 @@ class Allocation:
     # from its verify nodes, and the step's milliseconds (drafting left out)
     expected: list[float] = field(default_factory=list)
     step_ms: float = 0.0
+    deepest: int = 0          # the depth of the deepest verify node kept (0: none)
 
 
 def allocate(values: list[list[float]], parents: list[list[int]], draft_values: list[float],
@@ -578,10 +579,11 @@ def allocate(values: list[list[float]], parents: list[list[int]], draft_values: 
     w = [1.0] * len(values) if weights is None else weights
     base = float(num_requests) if weights is None else 1.0  # a plain step's worth
     items: list[tuple[float, int, int, int, int]] = []  # (-worth, depth, request, kind, index)
+    depths: list[list[int]] = [[] for _ in values]
     for r, vals in enumerate(values):
         if w[r] <= 0.0:
             continue
-        depth = node_depths(parents[r][: len(vals)])
+        depth = depths[r] = node_depths(parents[r][: len(vals)])
         for i, v in enumerate(vals):
             items.append((-v * w[r], depth[i], r, 0, i))
         for j in range(draft_caps[r]):  # after equal-valued nodes
@@ -625,6 +627,7 @@ def allocate(values: list[list[float]], parents: list[list[int]], draft_values: 
         # keep the set closed under parents all the same (values from outside may tie oddly)
         have = set(kept)
         keep_v[r] = [i for i in kept if all_ancestors_in(parents[r], i, have)]
+    deepest = max((depths[r][i] for r, kept in enumerate(keep_v) for i in kept), default=0)
     # drafting was spent this step either way; ``pays``: the trees beat plain decoding with
     # their drafting counted, so drafting is worth running again next step. (Asking MARGIN
     # here too, with every miss pausing drafting for 1.5 % of the time, held PCTree's chain
@@ -633,7 +636,8 @@ def allocate(values: list[list[float]], parents: list[list[int]], draft_values: 
     pays = best_k > 0 and (base + best_worth) / (
         (base + best_worth) / best_rate + drafting_ms) > plain_rate
     return Allocation(keep_v, keep_d, base_rows + best_k, pays=pays,
-                      expected=expected, step_ms=step_ms[best_k] + best_trees * per_tree)
+                      expected=expected, step_ms=step_ms[best_k] + best_trees * per_tree,
+                      deepest=deepest)
 
 
 def all_ancestors_in(parents: list[int], i: int, have: set[int]) -> bool:
@@ -773,13 +777,7 @@ class TreeBudget:
         reach = self._reach.get(StepCostModel.batch_bucket(num_requests))
         return None if reach is None else math.ceil(reach) + 1
 
-    def _kept_reach(self, num_requests: int, parents: list[list[int]],
-                    kept: list[list[int]]) -> None:
-        deepest = 0
-        for par, keep in zip(parents, kept):
-            if keep:
-                depths = node_depths(par)
-                deepest = max(deepest, max(depths[i] for i in keep))
+    def _kept_reach(self, num_requests: int, deepest: int) -> None:
         bucket = StepCostModel.batch_bucket(num_requests)
         last = self._reach.get(bucket)
         self._reach[bucket] = float(deepest) if last is None else max(
@@ -830,7 +828,7 @@ class TreeBudget:
                          self.calibration.time_ratio(num_requests),
                          self.calibration.token_ratio(num_requests), critical_lead)
         self.last = alloc
-        self._kept_reach(num_requests, parents, alloc.verify)
+        self._kept_reach(num_requests, alloc.deepest)
         if alloc.pays:
             self._misses, self._pause = 0, 1
             self._tried(num_requests, paid=True)
