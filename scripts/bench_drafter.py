@@ -5,8 +5,10 @@ with the rows of the steps since the last one), the block (backbone and output p
 over the block) and the tree expansion, for --requests requests drafting together with
 contexts of random target rows, in torch's GEMM, in vLLM's prepacked CPU GEMM (fp32 and
 bf16) and in its int8 GEMM (``drafter_gemm: "int8"``, the rest in bf16), over the drafter's
-draft vocabulary and over all words. Prints the median ms per call
-over --calls calls (after two warm-up calls).
+draft vocabulary and over all words; the vLLM variants also take vLLM's RMS norm op, as in
+an engine. --depth cuts the block to that many rows and the expansion to as many stages
+(what the budget asks for at a batch size: ``TreeBudget.draft_depth``). Prints the median
+ms per call over --calls calls (after two warm-up calls).
 
 In an engine the target's forward runs between two drafting calls and leaves none of the
 drafter's weights in the caches; ``--cold-mib N`` writes an N MiB buffer before every timed
@@ -16,7 +18,7 @@ core per worker on x86: on a 2-core machine the forward and the drafter run on o
 ``--threads 1`` measures that.
 
   python scripts/bench_drafter.py [--context 300] [--requests 1,4] [--cold-mib 0,600]
-      [--calls 20] [--draft-vocab 0,default] [--new-rows 3] [--threads 1]
+      [--calls 20] [--draft-vocab 0,default] [--new-rows 3] [--threads 1] [--depth 3]
 """
 from __future__ import annotations
 
@@ -44,11 +46,14 @@ def main() -> int:
     ap.add_argument("--draft-vocab", default="0,default",
                     help="draft-vocabulary sizes (speculative_config['draft_vocab']; 0: all words, "
                          "default: the drafter folder's)")
+    ap.add_argument("--depth", type=int, default=None,
+                    help="block rows and expansion stages (default: the drafter's block size)")
     args = ap.parse_args()
 
     import torch
 
-    from vllm_ptd.integration.proposer import engine_int8_linear_kernel, engine_linear_kernel
+    from vllm_ptd.integration.proposer import (engine_int8_linear_kernel, engine_linear_kernel,
+                                               engine_rms_norm_kernel)
     from vllm_ptd.model_store import ensure_default_model
     from vllm_ptd.pctree.config import PCTreeConfig
     from vllm_ptd.pctree.expand import expand_trees
@@ -71,13 +76,15 @@ def main() -> int:
     target = ensure_default_model()
     kernel = engine_linear_kernel(torch.device("cpu"))
     int8_kernel = engine_int8_linear_kernel(torch.device("cpu"))
+    norm_kernel = engine_rms_norm_kernel(torch.device("cpu"))
     variants = [("torch", None, torch.float32), ("vLLM oneDNN", kernel, torch.float32),
                 ("vLLM oneDNN", kernel, torch.bfloat16),
                 ("vLLM oneDNN int8", int8_kernel, torch.bfloat16)]
     sizes = [None if v.strip() == "default" else int(v) for v in args.draft_vocab.split(",")]
     counts = [int(v) for v in args.requests.split(",")]
     colds = [int(v) for v in args.cold_mib.split(",")]
-    print(f"torch threads {torch.get_num_threads()}; context {args.context} rows (+20 per request)\n")
+    print(f"torch threads {torch.get_num_threads()}; context {args.context} rows (+20 per request); "
+          f"block rows and stages: {args.depth or 'the block size'}\n")
     print(f"| GEMM | dtype | draft vocabulary | requests | caches | {args.new_rows} new context "
           f"rows ms | block ms | expansion ms | total ms |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -85,8 +92,10 @@ def main() -> int:
         if make is None and name != "torch":
             print(f"| {name} | {dtype} | — | — | — | — | — | — | not available |")
             continue
-        m = PCTreeMethod(PCTreeConfig(draft_vocab=size), target, dtype=dtype, linear_kernel=make)
+        m = PCTreeMethod(PCTreeConfig(draft_vocab=size), target, dtype=dtype, linear_kernel=make,
+                         norm_kernel=None if make is None else norm_kernel)
         d, c = m.drafter, m.config
+        depth = c.depth if args.depth is None else max(1, min(c.depth, args.depth))
         gen = torch.Generator().manual_seed(0)
         for n, cold in ((n, cold) for n in counts for cold in colds):
             ctxs = []
@@ -108,11 +117,11 @@ def main() -> int:
 
             with torch.no_grad():
                 append = ms(flush, sweep) if args.new_rows else 0.0
-                U, h = d.draft_block(ctxs, roots)
-                block = ms(lambda: d.draft_block(ctxs, roots), sweep)
+                U, h = d.draft_block(ctxs, roots, rows=depth)
+                block = ms(lambda: d.draft_block(ctxs, roots, rows=depth), sweep)
                 expand = ms(lambda: expand_trees(U, roots, markov=d.markov_head, hidden=h,
                                                  k=c.branching, max_nodes=c.max_nodes,
-                                                 depth=c.depth, mode=c.mode,
+                                                 depth=depth, mode=c.mode,
                                                  vocab_ids=d.draft_vocab), sweep)
             caches = f"cold ({cold} MiB written)" if cold else "warm"
             print(f"| {name} | {str(dtype).replace('torch.', '')} | {U.shape[-1]} | {n} | "

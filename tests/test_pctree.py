@@ -667,6 +667,84 @@ def test_markov_head_bias_is_low_rank_product():
     torch.testing.assert_close(b[0, 1], mh.markov_w2.weight @ mh.markov_w1.weight[5])
 
 
+def _fused_ids(dr) -> set[int]:
+    return {id(getattr(module, name)) for layer in dr.layers
+            for module, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")),
+                                  (layer.mlp, ("gate_proj", "up_proj")))
+            for name in names}
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_stacked_projections_equal_the_layers_one_by_one(bias):
+    """``use_linear_kernel`` runs q, k and v (k and v for context rows) and gate and up as one
+    GEMM over their stacked weights: with torch's matmul as the kernel the drafter's
+    context K/V, logits and hidden states are those of its layers one by one, with and
+    without biases (a stacked bias that lost a layer's part, or a split at the wrong
+    width, would not be)."""
+    import torch.nn.functional as F
+
+    calls = []
+
+    def make(weight, b):
+        calls.append(tuple(weight.shape))
+        return lambda x: F.linear(x, weight, b)
+
+    plain, fused = make_drafter(seed=4), make_drafter(seed=4)
+    if bias:
+        for a, b in zip(plain.layers, fused.layers):
+            for name in ("q_proj", "k_proj", "v_proj"):
+                lin = getattr(a.self_attn, name)
+                lin.bias = torch.nn.Parameter(torch.randn(lin.out_features))
+                getattr(b.self_attn, name).bias = torch.nn.Parameter(lin.bias.detach().clone())
+    fused.use_linear_kernel(make)
+    cfg = fused.config
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    assert (q + 2 * kv, cfg.hidden_size) in calls and (2 * kv, cfg.hidden_size) in calls
+    assert (2 * cfg.intermediate_size, cfg.hidden_size) in calls
+    outs = []
+    for dr in (plain, fused):
+        ctxs = []
+        for i, n in enumerate([4, 9]):
+            c = dr.new_context()
+            dr.append_context(c, rows(n, 30 + i), 0)
+            ctxs.append(c)
+        outs.append((*dr.draft_block(ctxs, [5, 8]), ctxs[1].k[1][:, :9], ctxs[1].v[0][:, :9]))
+    for got, want in zip(outs[1], outs[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_rms_norm_kernel_is_torchs_norm():
+    """vLLM's RMS norm op (the engine's ``norm_kernel``) gives the drafter's norm, on a
+    contiguous input and on a view of a wider tensor (a head's slice of a stacked
+    projection: the op itself reads such a view wrongly, so the kernel must copy it), and a
+    drafter on it drafts what the torch norms draft."""
+    pytest.importorskip("vllm")
+    from vllm_ptd.integration.proposer import engine_rms_norm_kernel
+    from vllm_ptd.pctree.drafter import RMSNorm
+
+    make = engine_rms_norm_kernel(torch.device("cpu"))
+    if make is None:
+        pytest.skip("this vLLM build has no RMS norm op")
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(16, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(16, generator=g) + 0.5)
+    wide = torch.randn(2, 3, 5 * 16, generator=g) * 3
+    for x in (wide[..., :16].contiguous(), wide[..., 32:].reshape(2, 3, 3, 16)):
+        want = norm(x)
+        got = make(norm.weight.detach(), norm.eps)(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    plain, fast = make_drafter(seed=5), make_drafter(seed=5)
+    fast.use_norm_kernel(make)
+    assert all(m.kernel is not None for m in fast.modules() if isinstance(m, RMSNorm))
+    outs = []
+    for dr in (plain, fast):
+        c = dr.new_context()
+        dr.append_context(c, rows(7, 40), 0)
+        outs.append(dr.draft_block(c, 5))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["vanilla", "gated"])
 def test_engine_linear_kernel_keeps_drafts_and_parameter_names(kind):
     """The drafter's layers on vLLM's prepacked CPU GEMM (what the engine gives it) draft
@@ -681,7 +759,8 @@ def test_engine_linear_kernel_keeps_drafts_and_parameter_names(kind):
     names = list(plain.state_dict())
     fast.use_linear_kernel(make)
     assert list(fast.state_dict()) == names
-    assert not any(isinstance(m, torch.nn.Linear) for m in fast.modules())
+    # every layer runs on the kernel: alone, or stacked with the layers that read its input
+    assert {id(m) for m in fast.modules() if isinstance(m, torch.nn.Linear)} == _fused_ids(fast)
     outs = []
     for dr in (plain, fast):
         ctxs = []

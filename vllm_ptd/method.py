@@ -117,6 +117,8 @@ class BuildContext:
     linear_kernel: Callable[[torch.Tensor, torch.Tensor | None], Callable] | None = None
     # the same with int8 weights and activations, where the engine has one (None: none)
     int8_linear_kernel: Callable[[torch.Tensor, torch.Tensor | None], Callable] | None = None
+    # the engine's RMS norm in one call, ``make(weight, eps) -> fn(x)`` (None: torch's)
+    norm_kernel: Callable[[torch.Tensor, float], Callable] | None = None
 
 
 @dataclass(frozen=True)

@@ -227,6 +227,31 @@ def engine_int8_linear_kernel(device: torch.device):
     return make
 
 
+def engine_rms_norm_kernel(device: torch.device):
+    """vLLM's RMS norm op for a method's own norms, ``make(weight, eps) -> fn(x)``: on CPU,
+    where the op is built; elsewhere None (torch's). Its input is made contiguous: the op
+    reads rows at a fixed stride and gives wrong values for a view of a wider tensor (a
+    head's slice of a fused projection). In bf16 it rounds once where torch's rounds twice."""
+    if device.type != "cpu":
+        return None
+    try:
+        import vllm._custom_ops  # noqa: F401  (loads the library that registers the op)
+        op = torch.ops._C.rms_norm
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+
+    def make(weight: torch.Tensor, eps: float):
+        def run(x: torch.Tensor) -> torch.Tensor:
+            x = x.contiguous()
+            out = torch.empty_like(x)
+            op(out, x, weight, eps)
+            return out
+
+        return run
+
+    return make
+
+
 class TreeProposer:
     def __init__(self, vllm_config) -> None:
         entry = (vllm_config.additional_config or {}).get("vllm_ptd")
@@ -311,7 +336,8 @@ class TreeProposer:
                            tokenizer=self.model_config.tokenizer, device=embed.device,
                            dtype=embed.dtype, target_embeddings=(embed, head),
                            linear_kernel=engine_linear_kernel(embed.device),
-                           int8_linear_kernel=engine_int8_linear_kernel(embed.device))
+                           int8_linear_kernel=engine_int8_linear_kernel(embed.device),
+                           norm_kernel=engine_rms_norm_kernel(embed.device))
         self.method = self.spec.build(self.options, ctx)
 
     def num_offered(self, req_id: str, sent: int) -> int:

@@ -69,6 +69,9 @@ _MARKOV_TYPES = ("vanilla", "gated")
 #: ``make(weight [out, in], bias [out] | None) -> fn(x [..., in]) -> [..., out]``: a matmul
 #: prepared once for a fixed weight (on CPU, vLLM's prepacked oneDNN GEMM).
 LinearKernelFactory = Callable[[torch.Tensor, "torch.Tensor | None"], Callable[[torch.Tensor], torch.Tensor]]
+#: ``make(weight [d], eps) -> fn(x [..., d]) -> [..., d]``: an RMS norm in one kernel call
+#: (on CPU, vLLM's ``rms_norm`` op).
+NormKernelFactory = Callable[[torch.Tensor, float], Callable[[torch.Tensor], torch.Tensor]]
 
 
 class KernelLinear(nn.Module):
@@ -86,6 +89,17 @@ class KernelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._kernel(x.contiguous())
+
+
+def _stacked(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights ``[sum(out), in]`` (and biases, if any) of layers that read one input,
+    stacked so that one GEMM computes all their outputs side by side."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    if all(lin.bias is None for lin in linears):
+        return weight, None
+    bias = torch.cat([lin.bias.detach() if lin.bias is not None else
+                      lin.weight.new_zeros(lin.out_features) for lin in linears])
+    return weight, bias
 
 
 def hidden_layer_ids_from_target_layer_ids(target_layer_ids: Sequence[int]) -> tuple[int, ...]:
@@ -289,8 +303,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernel: Callable[[torch.Tensor], torch.Tensor] | None = None  # use_norm_kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x)
         dt = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -349,22 +366,47 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.hd, d, bias=bias)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        # prepared kernels over the stacked weights of (q, k, v) and of (k, v), set by
+        # ``use_fused_kernel``; None: the layers one by one
+        self.qkv_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.kv_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def use_fused_kernel(self, make: LinearKernelFactory) -> None:
+        """Project q, k and v of block rows in one prepared GEMM, and k and v of context rows
+        in another (inference only). Why: at a block's few rows a GEMM call costs about as
+        much to set up and to quantize its input for as it computes, and the block made
+        three of them per layer where one does the same."""
+        qkv = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_kernel = make(*_stacked(qkv))
+        self.kv_kernel = make(*_stacked(qkv[1:]))
+
+    def _k_v(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t, _ = k.shape
+        k = self.k_norm(k.view(b, t, self.n_kv, self.hd)).transpose(1, 2)
+        return _rotate(k, cos, sin), v.view(b, t, self.n_kv, self.hd).transpose(1, 2)
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K (normed, rotated) and V ``[b, n_kv, t, hd]`` of rows x ``[b, t, d]``."""
-        b, t, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.hd)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.hd).transpose(1, 2)
-        return _rotate(k, cos, sin), v
+        if self.kv_kernel is None:
+            return self._k_v(self.k_proj(x), self.v_proj(x), cos, sin)
+        k, v = self.kv_kernel(x.contiguous()).split(self.n_kv * self.hd, dim=-1)
+        return self._k_v(k, v, cos, sin)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 context: "PaddedContextKV | RequestContextKV") -> torch.Tensor:
         """Block rows x ``[b, q, d]`` attend to ``[their context; their block]`` (``context``
         holds this layer's context K/V and says how they are laid out)."""
         b, q, _ = x.shape
-        qh = self.q_norm(self.q_proj(x).view(b, q, self.n_heads, self.hd)).transpose(1, 2)
+        if self.qkv_kernel is None:
+            qp, kb, vb = self.q_proj(x), *self.kv(x, cos, sin)
+        else:
+            kv_width = self.n_kv * self.hd
+            qp, kp, vp = self.qkv_kernel(x.contiguous()).split(
+                [self.n_heads * self.hd, kv_width, kv_width], dim=-1)
+            kb, vb = self._k_v(kp, vp, cos, sin)
+        qh = self.q_norm(qp.reshape(b, q, self.n_heads, self.hd)).transpose(1, 2)
         qh = _rotate(qh, cos, sin)
-        kb, vb = self.kv(x, cos, sin)
         out = context.attend(qh, kb, vb, gqa=self.n_heads != self.n_kv)
         return self.o_proj(out.transpose(1, 2).reshape(b, q, self.n_heads * self.hd))
 
@@ -430,9 +472,19 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d, i, bias=False)
         self.up_proj = nn.Linear(d, i, bias=False)
         self.down_proj = nn.Linear(i, d, bias=False)
+        # a prepared kernel over the stacked gate and up weights (use_fused_kernel)
+        self.gate_up_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def use_fused_kernel(self, make: LinearKernelFactory) -> None:
+        """Gate and up projections in one prepared GEMM (inference only; see
+        :meth:`Attention.use_fused_kernel`)."""
+        self.gate_up_kernel = make(*_stacked((self.gate_proj, self.up_proj)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_kernel is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_kernel(x.contiguous()).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -639,11 +691,27 @@ class DSparkDrafter(nn.Module):
         """Run every linear layer through ``make``'s kernel (inference only). Why: at the
         block's few rows torch's CPU GEMM is several times slower than a prepacked one
         (measured: the 49152-word output projection over 7 rows, 39 ms in torch against 6 ms
-        in vLLM's oneDNN GEMM, fp32, 2 cores), and the drafter runs every step."""
+        in vLLM's oneDNN GEMM, fp32, 2 cores), and the drafter runs every step. Layers that
+        read one input run as one GEMM over their stacked weights (``use_fused_kernel``);
+        they stay ``nn.Linear`` (their weights keep their names) but are not called."""
+        fused: set[int] = set()
+        for layer in self.layers:
+            for module, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")),
+                                  (layer.mlp, ("gate_proj", "up_proj"))):
+                module.use_fused_kernel(make)
+                fused.update(id(getattr(module, name)) for name in names)
         for parent in list(self.modules()):
             for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear):
+                if isinstance(child, nn.Linear) and id(child) not in fused:
                     setattr(parent, name, KernelLinear(child, make))
+
+    def use_norm_kernel(self, make: NormKernelFactory) -> None:
+        """Run every RMS norm through ``make``'s kernel (inference only). Why: written out in
+        torch a norm is some ten small ops, about 20 us at a block's rows against 4 us in
+        one call (bf16, one thread, here), and a block and its context rows make twelve."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.kernel = make(module.weight.detach(), module.eps)
 
     @torch.no_grad()
     def restrict_vocab(self, token_ids: torch.Tensor | Sequence[int] | None) -> None:

@@ -41,7 +41,7 @@ from vllm_ptd.method import StepOutcome, TreeMethod
 from vllm_ptd.pctree.checkpoint import check_drafter_fits, load_drafter, target_config_dict
 from vllm_ptd.pctree.config import PCTreeConfig
 from vllm_ptd.pctree.draft_vocab import draft_vocab_ids
-from vllm_ptd.pctree.drafter import DraftContext, DSparkDrafter, LinearKernelFactory
+from vllm_ptd.pctree.drafter import DraftContext, DSparkDrafter, LinearKernelFactory, NormKernelFactory
 from vllm_ptd.pctree.expand import expand_trees
 from vllm_ptd.tree import FlatTree
 
@@ -151,6 +151,8 @@ class PCTreeMethod(TreeMethod[_Request]):
     * ``drafter``: an already built :class:`DSparkDrafter` (skips loading; tests).
     * ``linear_kernel``: the engine's matmul for fixed weights (see
       :meth:`DSparkDrafter.use_linear_kernel`); None keeps torch's.
+    * ``norm_kernel``: the engine's RMS norm (see :meth:`DSparkDrafter.use_norm_kernel`);
+      None keeps torch's.
     """
 
     needs_hidden = True
@@ -158,7 +160,8 @@ class PCTreeMethod(TreeMethod[_Request]):
     def __init__(self, config: PCTreeConfig, target_config: Any, target_embeddings: Any = None, *,
                  drafter: DSparkDrafter | None = None, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", max_context: int | None = 4096,
-                 linear_kernel: LinearKernelFactory | None = None):
+                 linear_kernel: LinearKernelFactory | None = None,
+                 norm_kernel: NormKernelFactory | None = None):
         if not isinstance(config, PCTreeConfig):
             raise ValueError(f"PCTreeMethod needs a PCTreeConfig, got {type(config).__name__}")
         super().__init__()
@@ -174,6 +177,8 @@ class PCTreeMethod(TreeMethod[_Request]):
                                                     drafter.config.vocab_size))
         if linear_kernel is not None:
             self.drafter.use_linear_kernel(linear_kernel)
+        if norm_kernel is not None:
+            self.drafter.use_norm_kernel(norm_kernel)
         self.config = config.for_block_size(drafter.block_size)
         self.hidden_layer_ids = tuple(drafter.hidden_layer_ids)
         if max(self.hidden_layer_ids) > int(self.target_config["num_hidden_layers"]) - 1:

@@ -12,7 +12,8 @@ def _build(options: PCTreeConfig, ctx: BuildContext):
                         dtype=options.drafter_torch_dtype(ctx.dtype, ctx.device),
                         device=ctx.device,
                         linear_kernel=options.drafter_linear_kernel(ctx.linear_kernel,
-                                                                    ctx.int8_linear_kernel))
+                                                                    ctx.int8_linear_kernel),
+                        norm_kernel=ctx.norm_kernel)
 
 
 def _hidden_layer_ids(options: PCTreeConfig, target_config) -> tuple[int, ...]:
