@@ -590,7 +590,7 @@ def test_max_depth_cuts_the_drafter_block_and_the_trees(tmp_path, monkeypatch):
     monkeypatch.setattr(DSparkDrafter, "draft_block", spy)
     for limit, want in ((2, 2), (1, 1), (99, dr.block_size), (None, dr.block_size)):
         trees = m.propose(["a", "b"], [7, 8], max_depth=limit)
-        assert blocks[-1] == want
+        assert blocks[-1] == want == m.drafted_depth  # what the trace records
         assert all(t.num_nodes > 0 and max(t.depths()) <= want for t in trees)
     ctx = m._requests["a"].ctx
     U, h = real(m.drafter, ctx, 7, rows=2)

@@ -161,16 +161,18 @@ def test_decode_speedup_prices_each_step_at_its_batch_sizes_plain_steps():
     assert "speedup" not in decode_speedup([step(4, 60.0, trees=1, nodes=2, accepted=1)])
 
 
-def test_step_clock_records_the_accepted_nodes_of_its_step():
+def test_step_clock_records_the_accepted_nodes_and_draft_depth_of_its_step():
     from vllm_ptd.integration.step_clock import StepClock
 
     clock = StepClock()
     clock.start_step(rows=6, requests=2)
     clock.set_trees(1, 4)
     clock.set_accepted(3)
+    clock.set_draft_depth(2)
     first = clock.start_step(rows=2, requests=2)
-    assert (first["trees"], first["nodes"], first["accepted"]) == (1, 4, 3)
-    assert clock.start_step(rows=2, requests=2)["accepted"] == 0
+    assert (first["trees"], first["nodes"], first["accepted"], first["draft_depth"]) == (1, 4, 3, 2)
+    second = clock.start_step(rows=2, requests=2)
+    assert second["accepted"] == 0 and second["draft_depth"] == 0
 
 
 def test_step_clock_leaves_the_engine_waiting_out_of_a_step():
@@ -226,18 +228,19 @@ def test_trace_tries_count_proposals_and_whether_trees_followed():
     from vllm_ptd.bench.trace_steps import drafting_tries
 
     step = lambda **k: json.dumps({"step": {"nodes": 0, **k}})  # noqa: E731
-    lines = [step(requests=4, trees=0, drafting_ms=9.0),   # a proposal: trees next step
+    lines = [step(requests=4, trees=0, drafting_ms=9.0, draft_depth=2),  # trees next step
              step(requests=4, trees=3, drafting_ms=0.02),  # upkeep only
-             step(requests=4, trees=0, drafting_ms=11.0),  # a proposal: no tree next step
-             step(requests=4, trees=0, drafting_ms=12.0),
+             step(requests=4, trees=0, drafting_ms=11.0, draft_depth=3),  # no tree next step
+             step(requests=4, trees=0, drafting_ms=12.0, draft_depth=3),
              json.dumps({"req": "a", "nodes": 3}),
              step(requests=1, trees=0, drafting_ms=5.0),
              step(requests=1, trees=1, drafting_ms=4.0)]   # the last step: nothing follows
     t = drafting_tries(lines)
     assert set(t) == {4, 1}
     assert (t[4]["tries"], t[4]["followed_by_trees"], t[4]["median_ms"]) == (3, 1, 11.0)
-    assert t[4]["total_s"] == pytest.approx(0.032)
+    assert t[4]["total_s"] == pytest.approx(0.032) and t[4]["median_depth"] == 3
     assert (t[1]["tries"], t[1]["followed_by_trees"], t[1]["median_ms"]) == (1, 1, 5.0)
+    assert t[1]["median_depth"] is None  # records without the field (PTD, older traces)
 
 
 def test_trace_outcomes_set_the_budget_against_what_its_tree_steps_did():

@@ -61,6 +61,9 @@ class TreeMethod(ABC, Generic[State]):
         #: hidden rows put into the drafter's contexts), which a proposal at any later step
         #: would pay as well; the budget does not count it against the trees of this one
         self.catch_up_ms = 0.0
+        #: how deep the last ``propose`` drafted (PCTree: its drafter block's rows), for the
+        #: trace; 0 where a method drafts to no depth of its own choosing, or proposed nothing
+        self.drafted_depth = 0
 
     @property
     @abstractmethod

@@ -143,18 +143,25 @@ def drafting_tries(lines, min_ms: float = 1.0) -> dict[int, dict]:
     """The method's proposals, per number of requests of the step that made them: steps
     whose drafting took at least ``min_ms`` (a proposal; what a method does on a step
     without one, e.g. PCTree queueing the step's rows, takes hundredths of a millisecond),
-    ``{requests: {"tries", "followed_by_trees", "median_ms", "total_s"}}`` (a proposal's
-    trees go out with the next step; its drafting is timed in the step that made it). For
-    PTD, whose upkeep at many requests takes as long as a proposal, the count is looser."""
+    ``{requests: {"tries", "followed_by_trees", "median_ms", "total_s", "median_depth"}}``
+    (a proposal's trees go out with the next step; its drafting is timed in the step that
+    made it; ``median_depth``: how deep the proposals drafted, None where the records do
+    not say, as with PTD or traces older than the field). For PTD, whose upkeep at many
+    requests takes as long as a proposal, the count is looser."""
     records = step_records(lines)
-    found: dict[int, list[tuple[float, bool]]] = defaultdict(list)
+    found: dict[int, list[tuple[float, bool, int]]] = defaultdict(list)
     for s, nxt in zip(records, records[1:]):
         if s.get("drafting_ms", 0.0) >= min_ms and "requests" in s:
-            found[s["requests"]].append((s["drafting_ms"], nxt["trees"] > 0))
-    return {req: {"tries": len(tries), "followed_by_trees": sum(ok for _, ok in tries),
-                  "median_ms": statistics.median(ms for ms, _ in tries),
-                  "total_s": sum(ms for ms, _ in tries) / 1000}
-            for req, tries in sorted(found.items())}
+            found[s["requests"]].append((s["drafting_ms"], nxt["trees"] > 0,
+                                         int(s.get("draft_depth", 0))))
+    out = {}
+    for req, tries in sorted(found.items()):
+        depths = [d for _, _, d in tries if d > 0]
+        out[req] = {"tries": len(tries), "followed_by_trees": sum(ok for _, ok, _ in tries),
+                    "median_ms": statistics.median(ms for ms, _, _ in tries),
+                    "total_s": sum(ms for ms, _, _ in tries) / 1000,
+                    "median_depth": statistics.median(depths) if depths else None}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,11 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         lines = f.readlines()
     if args.tries:
         tries = drafting_tries(lines)
-        print("| requests | proposals | followed by trees | median ms | total s |")
-        print("|---|---|---|---|---|")
+        print("| requests | proposals | followed by trees | median ms | total s | median depth |")
+        print("|---|---|---|---|---|---|")
         for req, t in tries.items():
+            depth = "—" if t["median_depth"] is None else f"{t['median_depth']:g}"
             print(f"| {req} | {t['tries']} | {t['followed_by_trees']} | {t['median_ms']:.1f} | "
-                  f"{t['total_s']:.1f} |")
+                  f"{t['total_s']:.1f} | {depth} |")
         return 0
     if args.outcomes:
         print(json.dumps(budget_outcomes(lines, args.min_requests), indent=1))

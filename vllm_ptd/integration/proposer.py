@@ -646,6 +646,7 @@ class TreeProposer:
         with self.clock.part("drafting"):
             trees = method.propose(ready_ids, ready_last, max_depth=(
                 None if self.budget is None else self.budget.draft_depth(ib.num_reqs)))
+        self.clock.set_draft_depth(method.drafted_depth)
         if self.budget is not None:
             # what drafting again next step would cost: not the rows earlier steps left for
             # the method (a new request's prompt, the rows of a pause), which whichever

@@ -35,6 +35,7 @@ class StepClock:
         self._nodes = 0
         self._predicted = 0.0
         self._accepted = 0
+        self._draft_depth = 0
         self._parts = dict.fromkeys(PARTS, 0.0)
         self.totals = dict.fromkeys(("steps", "wall", *PARTS), 0.0)
 
@@ -42,7 +43,7 @@ class StepClock:
         """Close the step in flight and start the next one (``rows``: its scheduled tokens,
         ``requests``: the requests it runs). Returns the closed step's record: rows,
         requests, trees (requests that carried one), nodes (theirs), accepted (their nodes
-        accepted), wall_ms, idle_ms (the engine's wait before the next step, left out of
+        accepted), draft_depth (how deep the step's proposal drafted: ``set_draft_depth``), wall_ms, idle_ms (the engine's wait before the next step, left out of
         wall_ms), predicted_ms (the budget's estimate of wall less drafting, 0 without one)
         and one ``<part>_ms`` per part."""
         now = time.perf_counter()
@@ -55,6 +56,7 @@ class StepClock:
                     idle_ms = gap_ms
             record = {"rows": self._rows, "requests": self._requests, "trees": self._trees,
                       "nodes": self._nodes, "accepted": self._accepted,
+                      "draft_depth": self._draft_depth,
                       "wall_ms": 1000 * (now - self._start) - idle_ms, "idle_ms": idle_ms,
                       "predicted_ms": self._predicted,
                       **{f"{k}_ms": v for k, v in self._parts.items()}}
@@ -64,7 +66,7 @@ class StepClock:
                 self.totals[k] += v
         self._start, self._rows, self._requests, self._trees = now, rows, requests, 0
         self._last_mark = None
-        self._nodes, self._predicted, self._accepted = 0, 0.0, 0
+        self._nodes, self._predicted, self._accepted, self._draft_depth = 0, 0.0, 0, 0
         self._parts = dict.fromkeys(PARTS, 0.0)
         return record
 
@@ -72,6 +74,11 @@ class StepClock:
         """How many requests of the step in flight carry a tree, their nodes, and what the
         budget expected the step to take (0: no budget)."""
         self._trees, self._nodes, self._predicted = trees, nodes, predicted_ms
+
+    def set_draft_depth(self, depth: int) -> None:
+        """How deep the step in flight's proposal drafted (``TreeMethod.drafted_depth``; 0:
+        no proposal, or a method that does not choose a depth)."""
+        self._draft_depth = depth
 
     def set_accepted(self, accepted: int) -> None:
         """How many tree nodes of the step in flight were accepted."""

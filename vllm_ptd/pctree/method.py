@@ -273,6 +273,7 @@ class PCTreeMethod(TreeMethod[_Request]):
         out = [FlatTree() for _ in req_ids]
         c = self.config
         self.catch_up_ms = 0.0
+        self.drafted_depth = 0
         if not live or c.max_nodes < 2 or c.depth == 0:
             return out
         states = [self._requests[req_ids[i]] for i in live]
@@ -284,6 +285,7 @@ class PCTreeMethod(TreeMethod[_Request]):
         roots = [int(last_tokens[i]) for i in live]
         depth = c.depth if max_depth is None else max(1, min(c.depth, int(max_depth)))
         U, h = self.drafter.draft_block(ctxs, roots, rows=depth)
+        self.drafted_depth = depth
         res = expand_trees(U, roots, markov=self.drafter.markov_head, hidden=h, k=c.branching,
                            max_nodes=c.max_nodes, depth=depth, mode=c.mode, return_scores=True,
                            vocab_ids=self.drafter.draft_vocab)
