@@ -126,6 +126,44 @@ def test_acceptance_model_tells_the_first_node_from_its_continuation():
     assert sum(acc.unconditional("r", tree)) < 0.6 * 12
 
 
+def test_acceptance_model_scales_a_request_by_how_its_own_trees_came_out():
+    """A request whose trees bring nothing is valued below a fresh one with the same nodes,
+    one whose trees bring more than expected above it (never above 1), each by its ratio of
+    accepted to expected tokens shrunk toward 1; the ratio is the request's own, fades with
+    the engine's steps, and goes with the request."""
+    acc = AcceptanceModel()
+    tree = chain(3, 0.5, group=1)
+    fresh = acc.unconditional("fresh", tree)
+    assert acc.request_factor("fresh") == 1.0
+    # the requests' trees come in other score bins than ``tree``'s (0.25-0.5): their cells
+    # say nothing about its nodes, the request's factor does
+    for score in (0.2, 0.6, 0.8, 0.95) * 4:
+        acc.observe("cold", chain(3, score, group=1), [])           # nothing accepted
+        acc.observe("hot", chain(3, score / 2, group=1), [0, 1, 2])  # everything accepted
+    cold, hot = acc.unconditional("cold", tree), acc.unconditional("hot", tree)
+    f_cold, f_hot = acc.request_factor("cold"), acc.request_factor("hot")
+    assert f_cold < 0.6 and f_hot > 1.2
+    assert cold[0] < 0.6 * fresh[0]
+    # the factor scales every node alike (on top of the per-cell evidence), capped at 1
+    base = acc._path_products("cold", tree)
+    assert cold == pytest.approx([f_cold * v for v in base])
+    assert all(h >= c for h, c in zip(hot, cold)) and max(hot) <= 1.0
+    assert cold[0] >= cold[1] >= cold[2]  # parents first, as before
+    # another request is not scaled: the fresh one has the engine-wide estimates only
+    assert acc.request_factor("fresh") == 1.0
+    assert acc.unconditional("fresh", tree) == acc._path_products("fresh", tree)
+    # a request whose trees stopped going out drifts back toward 1 with the engine's steps
+    acc.clock.steps += 10 * 256
+    assert acc.request_factor("cold") > 0.95
+    acc.forget("hot")
+    assert "hot" not in acc.request_sums and acc.request_factor("hot") == 1.0
+    # bounded with the per-request cells: the oldest request's ratio goes with them
+    small = AcceptanceModel(max_requests=2)
+    for rid in ("a", "b", "c"):
+        small.observe(rid, tree, [])
+    assert set(small.request_sums) == set(small.requests) == {"b", "c"}
+
+
 def test_allocate_sizes_trees_to_what_pays():
     cost = linear_cost(50.0, 8.0)     # a row costs 16 % of a one-row step
     # certain nodes pay, hopeless ones do not: 3 sure nodes then 3 at 1 %
