@@ -162,6 +162,12 @@ def test_acceptance_model_scales_a_request_by_how_its_own_trees_came_out():
     for rid in ("a", "b", "c"):
         small.observe(rid, tree, [])
     assert set(small.request_sums) == set(small.requests) == {"b", "c"}
+    # the key request_calibration: false keeps the per-cell estimates alone
+    off = AcceptanceModel(request_calibration=False)
+    for _ in range(8):
+        off.observe("cold", chain(3, 0.95, group=1), [])
+    assert off.request_factor("cold") == 1.0
+    assert off.unconditional("cold", tree) == off._path_products("cold", tree)
 
 
 def test_allocate_sizes_trees_to_what_pays():

@@ -127,8 +127,11 @@ def test_parse_splits_ours_from_vllms():
     assert isinstance(mc, MethodConfig) and mc.method == "ptd"
     assert isinstance(mc.options, PTDConfig) and mc.options.width == 3
     assert mc.num_speculative_tokens == 40 and mc.disable_by_batch_size == 8
-    mc = parse_speculative_config({"method": "pctree", "branching": 2})
+    assert mc.request_calibration is True
+    mc = parse_speculative_config({"method": "pctree", "branching": 2,
+                                   "request_calibration": False})
     assert isinstance(mc.options, PCTreeConfig) and mc.num_speculative_tokens is None
+    assert mc.request_calibration is False
 
 
 @pytest.mark.parametrize("cfg,pattern", [
@@ -137,6 +140,7 @@ def test_parse_splits_ours_from_vllms():
     ({"method": "pctree", "width": 4}, r"unknown key 'width'"),       # a PTD key
     ({"method": "eagle"}, r"'method'.*\['pctree', 'ptd'\]"),
     ({"method": "ptd", "disable_by_batch_size": 0}, r"'disable_by_batch_size'.*\[1, "),
+    ({"method": "pctree", "request_calibration": 1}, r"'request_calibration'.*true or false"),
     ({"width": 4}, r"'method'"),
     ({"method": "ptd", "num_speculative_tokens": 0}, r"'num_speculative_tokens'.*\[1, 4096\]"),
 ])

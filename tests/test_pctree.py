@@ -668,10 +668,10 @@ def test_markov_head_bias_is_low_rank_product():
 
 
 def _fused_ids(dr) -> set[int]:
-    return {id(getattr(module, name)) for layer in dr.layers
-            for module, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")),
-                                  (layer.mlp, ("gate_proj", "up_proj")))
-            for name in names}
+    """The layers that run stacked with others once ``use_linear_kernel`` ran."""
+    return {id(getattr(layer.self_attn, name)) for layer in dr.layers
+            for name in ("q_proj", "k_proj", "v_proj")} | \
+        {id(getattr(layer.mlp, name)) for layer in dr.layers for name in ("gate_proj", "up_proj")}
 
 
 @pytest.mark.parametrize("bias", [False, True])

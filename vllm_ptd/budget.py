@@ -145,8 +145,10 @@ class AcceptanceModel:
     REQUEST_MEMORY = 16   # trees: each weighs a request's earlier ones down by 1 - 1/16
 
     def __init__(self, engine_strength: float = 8.0, request_strength: float = 4.0,
-                 max_requests: int = 100_000, clock: EngineClock | None = None) -> None:
+                 max_requests: int = 100_000, clock: EngineClock | None = None,
+                 request_calibration: bool = True) -> None:
         self.engine_strength = engine_strength
+        self.request_calibration = request_calibration  # False: request_factor is 1
         self.request_strength = request_strength
         self.max_requests = max_requests
         # engine-wide [accepted, offered, step of the last update]; faded with the steps
@@ -179,9 +181,10 @@ class AcceptanceModel:
 
     def request_factor(self, req_id: str) -> float:
         """The request's accepted tokens over the tokens its trees were expected to bring,
-        ``(accepted + REQUEST_PRIOR) / (expected + REQUEST_PRIOR)`` (1 before its first tree)."""
+        ``(accepted + REQUEST_PRIOR) / (expected + REQUEST_PRIOR)`` (1 before its first tree,
+        and always without ``request_calibration``)."""
         cell = self.request_sums.get(req_id)
-        if cell is None:
+        if cell is None or not self.request_calibration:
             return 1.0
         accepted, expected = faded(cell[:2], int(cell[2]), self.clock.steps)
         return (accepted + self.REQUEST_PRIOR) / (expected + self.REQUEST_PRIOR)

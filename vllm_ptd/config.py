@@ -14,7 +14,7 @@ from typing import Any
 # Keys of vLLM's own speculative config that may sit beside ours in the same dict.
 VLLM_PASSTHROUGH_KEYS = ("method", "num_speculative_tokens")
 # Keys every tree method takes, handled by the integration rather than the method.
-ENGINE_KEYS = ("disable_by_batch_size",)
+ENGINE_KEYS = ("disable_by_batch_size", "request_calibration")
 # Every method config's ``budget`` key: "auto" sizes each step's trees with the measured cost
 # model (vllm_ptd.budget), for tokens per ms while the scheduler has requests waiting and for
 # the batch's end (its critical path) when it has none; "per_step" for tokens per ms always;
@@ -48,6 +48,9 @@ class MethodConfig:
     options: Any                          # the method's config class instance
     num_speculative_tokens: int | None = None
     disable_by_batch_size: int | None = None
+    # the budget scales each request's node values by how its own trees came out
+    # (``budget.AcceptanceModel.request_factor``); false: the per-cell estimates alone
+    request_calibration: bool = True
 
 
 def parse_speculative_config(cfg: dict) -> MethodConfig:
@@ -77,5 +80,7 @@ def parse_speculative_config(cfg: dict) -> MethodConfig:
     dbs = extra.pop("disable_by_batch_size", None)
     if dbs is not None:
         check_int("disable_by_batch_size", dbs, 1, 1_000_000)
+    request_calibration = extra.pop("request_calibration", True)
+    check_bool("request_calibration", request_calibration)
     return MethodConfig(method=method, options=cls(**opts), num_speculative_tokens=nst,
-                        disable_by_batch_size=dbs)
+                        disable_by_batch_size=dbs, request_calibration=request_calibration)

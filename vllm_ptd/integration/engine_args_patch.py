@@ -50,7 +50,8 @@ def rewrite_speculative_config(spec: dict, device: str, target_config) -> tuple[
             f"tree ({tree_nodes} nodes); leave it out, it is derived from the tree budgets")
     vllm_spec = {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": k}
     ours = {"method": parsed.method, "options": dataclasses.asdict(opts),
-            "disable_by_batch_size": parsed.disable_by_batch_size}
+            "disable_by_batch_size": parsed.disable_by_batch_size,
+            "request_calibration": parsed.request_calibration}
     return vllm_spec, ours
 
 

@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vllm_ptd.budget import StepCostModel, TreeBudget, makespan_lead, makespan_weights
+from vllm_ptd.budget import (AcceptanceModel, StepCostModel, TreeBudget, makespan_lead,
+                             makespan_weights)
 from vllm_ptd.integration.kv_stash import bind_tree_attention
 from vllm_ptd.integration.step_clock import StepClock
 from vllm_ptd.integration.step import StepChannel, TreeStep, build_step
@@ -262,6 +263,7 @@ class TreeProposer:
         self.kind: str = self.spec.name
         self.options = self.spec.config_cls(**entry["options"])
         self.disable_by_batch_size: int | None = entry.get("disable_by_batch_size")
+        self.request_calibration: bool = entry.get("request_calibration", True)
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
         self.max_model_len = vllm_config.model_config.max_model_len
@@ -310,8 +312,10 @@ class TreeProposer:
             self.is_driver = group.rank_in_group == 0
         if getattr(self.options, "budget", "fixed") != "fixed" and self.is_driver:
             kind = "cuda" if runner.device.type == "cuda" else "cpu"
-            self.budget = TreeBudget(StepCostModel(
-                PRIOR_ROW_SLOPE[kind], cost_cache_path(self.vllm_config, kind, self.kind)))
+            self.budget = TreeBudget(
+                StepCostModel(PRIOR_ROW_SLOPE[kind],
+                              cost_cache_path(self.vllm_config, kind, self.kind)),
+                AcceptanceModel(request_calibration=self.request_calibration))
 
     def load_model(self, target_model) -> None:
         """vLLM's CPU runner calls this after loading the target (GPU: the runner patch)."""

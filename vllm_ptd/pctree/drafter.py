@@ -371,14 +371,16 @@ class Attention(nn.Module):
         self.qkv_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.kv_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def use_fused_kernel(self, make: LinearKernelFactory) -> None:
+    def use_fused_kernel(self, make: LinearKernelFactory) -> tuple[nn.Linear, ...]:
         """Project q, k and v of block rows in one prepared GEMM, and k and v of context rows
-        in another (inference only). Why: at a block's few rows a GEMM call costs about as
-        much to set up and to quantize its input for as it computes, and the block made
-        three of them per layer where one does the same."""
+        in another (inference only); returns the layers those kernels stand in for. Why: at
+        a block's few rows a GEMM call costs about as much to set up and to quantize its
+        input for as it computes, and the block made three of them per layer where one does
+        the same."""
         qkv = (self.q_proj, self.k_proj, self.v_proj)
         self.qkv_kernel = make(*_stacked(qkv))
         self.kv_kernel = make(*_stacked(qkv[1:]))
+        return qkv
 
     def _k_v(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -475,10 +477,12 @@ class MLP(nn.Module):
         # a prepared kernel over the stacked gate and up weights (use_fused_kernel)
         self.gate_up_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def use_fused_kernel(self, make: LinearKernelFactory) -> None:
+    def use_fused_kernel(self, make: LinearKernelFactory) -> tuple[nn.Linear, ...]:
         """Gate and up projections in one prepared GEMM (inference only; see
         :meth:`Attention.use_fused_kernel`)."""
-        self.gate_up_kernel = make(*_stacked((self.gate_proj, self.up_proj)))
+        gate_up = (self.gate_proj, self.up_proj)
+        self.gate_up_kernel = make(*_stacked(gate_up))
+        return gate_up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_kernel is None:
@@ -694,12 +698,8 @@ class DSparkDrafter(nn.Module):
         in vLLM's oneDNN GEMM, fp32, 2 cores), and the drafter runs every step. Layers that
         read one input run as one GEMM over their stacked weights (``use_fused_kernel``);
         they stay ``nn.Linear`` (their weights keep their names) but are not called."""
-        fused: set[int] = set()
-        for layer in self.layers:
-            for module, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")),
-                                  (layer.mlp, ("gate_proj", "up_proj"))):
-                module.use_fused_kernel(make)
-                fused.update(id(getattr(module, name)) for name in names)
+        fused = {id(linear) for layer in self.layers for module in (layer.self_attn, layer.mlp)
+                 for linear in module.use_fused_kernel(make)}
         for parent in list(self.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear) and id(child) not in fused:
