@@ -243,6 +243,25 @@ def test_trace_tries_count_proposals_and_whether_trees_followed():
     assert t[1]["median_depth"] is None  # records without the field (PTD, older traces)
 
 
+def test_trace_request_ratios_group_trees_by_their_requests_earlier_outcomes():
+    """A tree is binned by its request's ratio before it (earlier trees only, shrunk toward
+    1 by the prior): a request whose first trees brought nothing sends its later ones from
+    a low bin, one that brought more than expected from a high bin."""
+    from vllm_ptd.bench.trace_steps import request_ratio_buckets
+
+    req = lambda rid, exp, acc: json.dumps({"req": rid, "expected": exp, "accepted": acc})  # noqa: E731
+    lines = [req("cold", 2.0, 0) for _ in range(6)] + [req("hot", 1.0, 3) for _ in range(3)]
+    lines += [json.dumps({"step": {"requests": 2}}), req("x", -1.0, 0)]  # no expectation
+    bins = request_ratio_buckets(lines, prior=2.0, memory=1e9)
+    # cold: (0 + 2) / (2k + 2) for k = 0..5 earlier trees -> 1.0, 0.5, 0.33, 0.25, 0.2, 0.17
+    assert bins[1.0]["trees"] == 2 and bins[1.0]["accepted"] == 3  # cold's first, hot's first
+    assert bins[0.5]["trees"] == 1 and bins[0.25]["trees"] == 2 and bins[0.0]["trees"] == 2
+    assert bins[0.0]["ratio"] == 0.0
+    # hot: (3 + 2) / (1 + 2) = 1.67 and (6 + 2) / (2 + 2) = 2: capped at the top bin
+    assert bins[1.5]["trees"] == 2 and bins[1.5]["ratio"] == pytest.approx(3.0)
+    assert sum(b["trees"] for b in bins.values()) == 9
+
+
 def test_trace_outcomes_set_the_budget_against_what_its_tree_steps_did():
     from vllm_ptd.bench.trace_steps import budget_outcomes
 

@@ -2,11 +2,14 @@
 tree: mean rows, wall, forward, verification and host ms (``VLLM_PTD_TRACE`` step records;
 the engine's waits between calls left out, ``aggregate.busy_steps``); and how the budget's estimates
 came out on its decode-only tree steps, and what decoding gained over the engine's own plain
-steps with drafting counted (``budget_outcomes``, ``decode_speedup``).
+steps with drafting counted (``budget_outcomes``, ``decode_speedup``); and how the trees of
+requests whose earlier trees had brought more or less than expected came out
+(``request_ratio_buckets``).
 
   python -m vllm_ptd.bench.trace_steps results/bs4_16/traces/ptd.jsonl [--requests 16]
   python -m vllm_ptd.bench.trace_steps results/serving/traces/ptd.jsonl --outcomes --min-requests 4
   python -m vllm_ptd.bench.trace_steps results/bs4/traces/pctree.jsonl --tries
+  python -m vllm_ptd.bench.trace_steps results/b1/traces/ptd.jsonl --request-ratios
 """
 from __future__ import annotations
 
@@ -164,6 +167,38 @@ def drafting_tries(lines, min_ms: float = 1.0) -> dict[int, dict]:
     return out
 
 
+def request_ratio_buckets(lines, prior: float = 8.0, memory: float = 16.0,
+                          width: float = 0.25, top: float = 1.5) -> dict[float, dict]:
+    """Each request's trees (request records with an ``expected`` above 0) grouped by the
+    request's ratio before them: its accepted tokens over the tokens its earlier trees were
+    expected to bring (the records' ``expected``), ``(accepted + prior) / (expected +
+    prior)``, each tree weighing the earlier ones down by ``1 - 1 / memory`` (as
+    ``budget.AcceptanceModel.request_factor`` keeps it), in bins of ``width`` up to
+    ``top``: ``{bin: {"trees", "expected", "accepted", "ratio"}}``, ratio = accepted over
+    expected in the bin. Where the budget's estimates already account for what a request's
+    earlier trees showed, every bin's ratio is near 1."""
+    sums: dict[str, tuple[float, float]] = {}
+    bins: dict[float, dict] = {}
+    keep = 1.0 - 1.0 / memory
+    for line in lines:
+        if not line.startswith('{"req"'):
+            continue
+        r = json.loads(line)
+        if r.get("expected", -1.0) <= 0.0:
+            continue
+        accepted, expected = sums.get(r["req"], (0.0, 0.0))
+        ratio = (accepted + prior) / (expected + prior)
+        b = bins.setdefault(min(int(ratio / width) * width, top),
+                            {"trees": 0, "expected": 0.0, "accepted": 0})
+        b["trees"] += 1
+        b["expected"] += r["expected"]
+        b["accepted"] += r["accepted"]
+        sums[r["req"]] = (accepted * keep + r["accepted"], expected * keep + r["expected"])
+    for b in bins.values():
+        b["ratio"] = b["accepted"] / b["expected"]
+    return dict(sorted(bins.items()))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", help="a VLLM_PTD_TRACE file (.jsonl or .jsonl.gz)")
@@ -175,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tries", action="store_true",
                     help="the method's proposals (steps with 1 ms or more of drafting) per "
                          "batch size")
+    ap.add_argument("--request-ratios", action="store_true",
+                    help="trees grouped by their request's earlier accepted over expected tokens")
     args = ap.parse_args(argv)
     opener = gzip.open if args.trace.endswith(".gz") else open
     with opener(args.trace, "rt") as f:
@@ -187,6 +224,13 @@ def main(argv: list[str] | None = None) -> int:
             depth = "—" if t["median_depth"] is None else f"{t['median_depth']:g}"
             print(f"| {req} | {t['tries']} | {t['followed_by_trees']} | {t['median_ms']:.1f} | "
                   f"{t['total_s']:.1f} | {depth} |")
+        return 0
+    if args.request_ratios:
+        print("| request's ratio before the tree | trees | expected | accepted | accepted / expected |")
+        print("|---|---|---|---|---|")
+        for lo, b in request_ratio_buckets(lines).items():
+            print(f"| {lo:.2f}+ | {b['trees']} | {b['expected']:.1f} | {b['accepted']} | "
+                  f"{b['ratio']:.2f} |")
         return 0
     if args.outcomes:
         print(json.dumps(budget_outcomes(lines, args.min_requests), indent=1))
