@@ -135,11 +135,11 @@ class AcceptanceModel:
     ratio of sums over about its last ``REQUEST_MEMORY`` trees, shrunk toward 1 by
     ``REQUEST_PRIOR`` expected tokens). Why: the cells above pool a request's evidence by
     node kind, and a request whose text the drafts do not follow fails across all of them
-    at once. In the traces of a bf16 run here (16 prompts at batch 1 and in closed batches
-    of 4, both methods), trees sent while a request's ratio was about 0.5 brought 0.62-0.71
-    of the tokens expected of them, at about 0.75 0.79-0.89, at about 1 0.94-0.99 and above
-    1.25 1.00-1.13; at the end of a closed batch of 4 one request decoded alone for 59
-    steps, PCTree's trees sent on most of them and none accepted."""
+    at once. In the traces of two bf16 runs here (16 prompts at batch 1 and in closed
+    batches of 4, both methods; ``trace_steps --request-ratios``), trees sent while a
+    request's ratio was 0.5-0.75 brought 0.62-0.70 of the tokens expected of them, at
+    0.75-1 0.79-0.89, at 1-1.25 0.97-0.99; at the end of a closed batch of 4 one request
+    decoded alone for 58 steps, 33 of them with a PCTree tree, none accepted."""
 
     REQUEST_PRIOR = 8.0   # expected tokens "as estimated" that a request's ratio starts from
     REQUEST_MEMORY = 16   # trees: each weighs a request's earlier ones down by 1 - 1/16
