@@ -47,6 +47,16 @@ def rows(n, seed):
     return torch.randn(n, len(LAYERS) * D, generator=torch.Generator().manual_seed(seed)) * 2
 
 
+def contexts(dr, seed, counts=(4, 9)):
+    """One drafter context per count, of that many random target rows (seeds seed, seed+1, ...)."""
+    out = []
+    for i, n in enumerate(counts):
+        c = dr.new_context()
+        dr.append_context(c, rows(n, seed + i), 0)
+        out.append(c)
+    return out
+
+
 # ---------------------------------------------------------------------------------------
 # reference implementations (cache-free, per node, plain Python)
 # ---------------------------------------------------------------------------------------
@@ -703,11 +713,7 @@ def test_stacked_projections_equal_the_layers_one_by_one(bias):
     assert (2 * cfg.intermediate_size, cfg.hidden_size) in calls
     outs = []
     for dr in (plain, fused):
-        ctxs = []
-        for i, n in enumerate([4, 9]):
-            c = dr.new_context()
-            dr.append_context(c, rows(n, 30 + i), 0)
-            ctxs.append(c)
+        ctxs = contexts(dr, 30)
         outs.append((*dr.draft_block(ctxs, [5, 8]), ctxs[1].k[1][:, :9], ctxs[1].v[0][:, :9]))
     for got, want in zip(outs[1], outs[0]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -763,11 +769,7 @@ def test_engine_linear_kernel_keeps_drafts_and_parameter_names(kind):
     assert {id(m) for m in fast.modules() if isinstance(m, torch.nn.Linear)} == _fused_ids(fast)
     outs = []
     for dr in (plain, fast):
-        ctxs = []
-        for i, n in enumerate([4, 9]):
-            c = dr.new_context()
-            dr.append_context(c, rows(n, 20 + i), 0)
-            ctxs.append(c)
+        ctxs = contexts(dr, 20)
         U, h = dr.draft_block(ctxs, [5, 8])
         trees = expand_trees(U, [5, 8], markov=dr.markov_head, hidden=h, k=3, max_nodes=9)
         outs.append((U, h, [(t.tokens, t.parents) for t in trees]))
