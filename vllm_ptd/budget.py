@@ -148,9 +148,9 @@ class AcceptanceModel:
                  max_requests: int = 100_000, clock: EngineClock | None = None,
                  request_calibration: bool = True) -> None:
         self.engine_strength = engine_strength
-        self.request_calibration = request_calibration  # False: request_factor is 1
         self.request_strength = request_strength
         self.max_requests = max_requests
+        self.request_calibration = request_calibration  # False: request_factor is 1
         # engine-wide [accepted, offered, step of the last update]; faded with the steps
         self.engine: dict[tuple[int, int, int], list[float]] = {}
         self.requests: dict[str, dict[tuple[int, int, int], list[float]]] = {}

@@ -43,9 +43,10 @@ class StepClock:
         """Close the step in flight and start the next one (``rows``: its scheduled tokens,
         ``requests``: the requests it runs). Returns the closed step's record: rows,
         requests, trees (requests that carried one), nodes (theirs), accepted (their nodes
-        accepted), draft_depth (how deep the step's proposal drafted: ``set_draft_depth``), wall_ms, idle_ms (the engine's wait before the next step, left out of
-        wall_ms), predicted_ms (the budget's estimate of wall less drafting, 0 without one)
-        and one ``<part>_ms`` per part."""
+        accepted), draft_depth (how deep the step's proposal drafted: ``set_draft_depth``),
+        wall_ms, idle_ms (the engine's wait before the next step, left out of wall_ms),
+        predicted_ms (the budget's estimate of wall less drafting, 0 without one) and one
+        ``<part>_ms`` per part."""
         now = time.perf_counter()
         record = None
         if self._start is not None:
