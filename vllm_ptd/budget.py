@@ -189,9 +189,12 @@ class AcceptanceModel:
         accepted, expected = faded(cell[:2], int(cell[2]), self.clock.steps)
         return (accepted + self.REQUEST_PRIOR) / (expected + self.REQUEST_PRIOR)
 
-    def _path_products(self, req_id: str, tree: FlatTree) -> list[float]:
+    def _path_products(self, req_id: str, tree: FlatTree,
+                       depths: list[int] | None = None) -> list[float]:
         parents = tree.parents[: tree.num_verify]
-        cond = self.conditional(req_id, tree.scores, tree.groups, node_depths(parents))
+        if depths is None:
+            depths = node_depths(parents)
+        cond = self.conditional(req_id, tree.scores, tree.groups, depths)
         out: list[float] = []
         for i, p in enumerate(parents):
             out.append(cond[i] * (1.0 if p < 0 else out[p]))
@@ -209,9 +212,11 @@ class AcceptanceModel:
     def observe(self, req_id: str, tree: FlatTree, accepted: list[int]) -> None:
         if tree.scores is None or tree.groups is None or tree.num_verify == 0:
             return
+        parents = tree.parents[: tree.num_verify]
+        depths = node_depths(parents)
         # what the tree was expected to bring, by the estimates before this outcome and
         # without the request's factor (the factor measures them)
-        expected = sum(self._path_products(req_id, tree))
+        expected = sum(self._path_products(req_id, tree, depths))
         own = self.requests.get(req_id)
         if own is None:
             if len(self.requests) >= self.max_requests:  # bounded: drop the oldest
@@ -226,8 +231,7 @@ class AcceptanceModel:
         self.request_sums[req_id] = [sums[0] * keep + len(accepted),
                                      sums[1] * keep + expected, float(now)]
         on_path = set(accepted)
-        parents = tree.parents[: tree.num_verify]
-        for i, (p, d) in enumerate(zip(parents, node_depths(parents))):
+        for i, (p, d) in enumerate(zip(parents, depths)):
             if p >= 0 and p not in on_path:
                 continue  # never looked at
             key = self.key(tree.groups[i], tree.scores[i], d)

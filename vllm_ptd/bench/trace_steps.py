@@ -20,6 +20,7 @@ import statistics
 from collections import defaultdict
 
 from vllm_ptd.bench.aggregate import busy_steps, is_busy
+from vllm_ptd.budget import AcceptanceModel
 
 
 def step_records(lines) -> list[dict]:
@@ -167,7 +168,8 @@ def drafting_tries(lines, min_ms: float = 1.0) -> dict[int, dict]:
     return out
 
 
-def request_ratio_buckets(lines, prior: float = 8.0, memory: float = 16.0,
+def request_ratio_buckets(lines, prior: float = AcceptanceModel.REQUEST_PRIOR,
+                          memory: float = AcceptanceModel.REQUEST_MEMORY,
                           width: float = 0.25, top: float = 1.5) -> dict[float, dict]:
     """Each request's trees (request records with an ``expected`` above 0) grouped by the
     request's ratio before them: its accepted tokens over the tokens its earlier trees were

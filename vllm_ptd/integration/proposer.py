@@ -165,14 +165,20 @@ def move_kv(step: TreeStep, src_verify_rows: list[int], dst_rows: list[int]) -> 
                                  stash.slot_mapping[dst])
 
 
-def _cpu_onednn_ops(device: torch.device):
-    """vLLM's custom ops where they carry its oneDNN GEMMs (a CPU build), else None."""
+def _cpu_vllm_ops(device: torch.device):
+    """vLLM's custom ops module on a CPU device (importing it registers its ops), else None."""
     if device.type != "cpu":
         return None
     try:
         from vllm import _custom_ops as ops
     except ImportError:
         return None
+    return ops
+
+
+def _cpu_onednn_ops(device: torch.device):
+    """vLLM's custom ops where they carry its oneDNN GEMMs (a CPU build), else None."""
+    ops = _cpu_vllm_ops(device)
     return ops if getattr(ops, "_supports_onednn", False) else None
 
 
@@ -233,12 +239,11 @@ def engine_rms_norm_kernel(device: torch.device):
     where the op is built; elsewhere None (torch's). Its input is made contiguous: the op
     reads rows at a fixed stride and gives wrong values for a view of a wider tensor (a
     head's slice of a fused projection). In bf16 it rounds once where torch's rounds twice."""
-    if device.type != "cpu":
+    if _cpu_vllm_ops(device) is None:
         return None
     try:
-        import vllm._custom_ops  # noqa: F401  (loads the library that registers the op)
         op = torch.ops._C.rms_norm
-    except (ImportError, AttributeError, RuntimeError):
+    except (AttributeError, RuntimeError):  # a build without the op
         return None
 
     def make(weight: torch.Tensor, eps: float):
