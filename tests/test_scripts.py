@@ -286,6 +286,8 @@ def test_trace_outcomes_set_the_budget_against_what_its_tree_steps_did():
     d = o["decode"]
     assert (d["steps"], d["tokens"], d["drafting_ms"]) == (3, 14, 3.0)
     assert d["speedup"] == pytest.approx(14 * 50.0 / 4 / (41.0 + 61.0 + 61.0))
+    # the yardstick: the mean plain decode step (wall less drafting) per batch size
+    assert o["plain_step_ms"] == {4: 50.0}
 
 
 def test_warmup_runs_held_out_prompts_and_records_nothing():

@@ -103,7 +103,10 @@ def budget_outcomes(lines, min_requests: int = 1) -> dict:
     (request records' ``expected``) and brought, nodes offered, and ``speedup``: their
     tokens per ms against the mean plain step of the same batch size, as the budget saw it
     (``predicted``) and as it came out (``realized``); ``decode``: ``decode_speedup`` of the
-    same steps. A step's request records precede its step record in the trace."""
+    same steps; ``plain_step_ms``: the mean plain step they are measured against, per batch
+    size (``plain_step_ms``), which only another engine's trace can put in perspective
+    (the budget, too, prices a tree against its own engine's plain steps). A step's request
+    records precede its step record in the trace."""
     tree_steps, steps, pending = [], [], []
     for line in lines:
         d = json.loads(line)
@@ -140,6 +143,7 @@ def budget_outcomes(lines, min_requests: int = 1) -> dict:
             "predicted": (out["requests"] + out["expected"]) / out["predicted_ms"] / plain_rate,
             "realized": (out["requests"] + out["accepted"]) / out["taken_ms"] / plain_rate}
     out["decode"] = decode_speedup(steps)
+    out["plain_step_ms"] = dict(sorted(plain.items()))
     return out
 
 
