@@ -214,9 +214,8 @@ class AcceptanceModel:
             return
         parents = tree.parents[: tree.num_verify]
         depths = node_depths(parents)
-        # what the tree was expected to bring, by the estimates before this outcome and
-        # without the request's factor (the factor measures them)
-        expected = sum(self._path_products(req_id, tree, depths))
+        if self.request_calibration:
+            self._observe_request(req_id, tree, depths, len(accepted))
         own = self.requests.get(req_id)
         if own is None:
             if len(self.requests) >= self.max_requests:  # bounded: drop the oldest
@@ -224,12 +223,6 @@ class AcceptanceModel:
                 self.requests.pop(oldest)
                 self.request_sums.pop(oldest, None)
             own = self.requests[req_id] = {}
-        now = self.clock.steps
-        cell = self.request_sums.get(req_id)
-        sums = faded(cell[:2], int(cell[2]), now) if cell is not None else [0.0, 0.0]
-        keep = 1.0 - 1.0 / self.REQUEST_MEMORY
-        self.request_sums[req_id] = [sums[0] * keep + len(accepted),
-                                     sums[1] * keep + expected, float(now)]
         on_path = set(accepted)
         for i, (p, d) in enumerate(zip(parents, depths)):
             if p >= 0 and p not in on_path:
@@ -246,6 +239,19 @@ class AcceptanceModel:
             else:
                 cell[0] += hit
                 cell[1] += 1.0
+
+    def _observe_request(self, req_id: str, tree: FlatTree, depths: list[int],
+                         accepted: int) -> None:
+        """Adds a tree's outcome to the request's sums (``request_factor``): its accepted
+        tokens, and what it was expected to bring by the estimates before this outcome,
+        without the request's factor (the factor measures them)."""
+        expected = sum(self._path_products(req_id, tree, depths))
+        now = self.clock.steps
+        cell = self.request_sums.get(req_id)
+        sums = faded(cell[:2], int(cell[2]), now) if cell is not None else [0.0, 0.0]
+        keep = 1.0 - 1.0 / self.REQUEST_MEMORY
+        self.request_sums[req_id] = [sums[0] * keep + accepted, sums[1] * keep + expected,
+                                     float(now)]
 
     def forget(self, req_id: str) -> None:
         self.requests.pop(req_id, None)

@@ -104,7 +104,7 @@ def budget_outcomes(lines, min_requests: int = 1) -> dict:
     tokens per ms against the mean plain step of the same batch size, as the budget saw it
     (``predicted``) and as it came out (``realized``); ``decode``: ``decode_speedup`` of the
     same steps; ``plain_step_ms``: the mean plain step they are measured against, per batch
-    size (``plain_step_ms``), which only another engine's trace can put in perspective
+    size, which only another engine's trace can put in perspective
     (the budget, too, prices a tree against its own engine's plain steps). A step's request
     records precede its step record in the trace."""
     tree_steps, steps, pending = [], [], []
