@@ -8,7 +8,7 @@ import random
 import pytest
 
 from vllm_ptd.budget import (AcceptanceModel, Calibration, StepCostModel, TreeBudget, allocate,
-                             makespan_lead, makespan_weights, monotone)
+                             kept_branching, makespan_lead, makespan_weights, monotone)
 from vllm_ptd.tree import FlatTree
 
 
@@ -615,6 +615,45 @@ def test_a_step_mixing_a_prefill_with_trees_is_no_error_of_the_sizing():
                         taken_ms=5000.0)   # the engine idling: no host time, nothing learnt
     assert budget.calibration.time_ratio(4) == pytest.approx((108 + 8 * 90) / (90 + 8 * 90),
                                                              rel=1e-3)  # (but a step faded)
+
+
+def test_kept_branching_is_the_k_an_expansion_needs():
+    # a chain; a root with two children; two parents at depth 1 with one child each
+    assert kept_branching([-1, 0, 1], [1, 2, 3], [0, 1, 2]) == 1
+    assert kept_branching([-1, -1, 0], [1, 1, 2], [0, 1, 2]) == 2
+    assert kept_branching([-1, -1, 0, 1], [1, 1, 2, 2], [0, 1, 2, 3]) == 2
+    assert kept_branching([-1, -1, -1, 0, 1, 2], [1, 1, 1, 2, 2, 2], [0, 1, 3]) == 2
+    assert kept_branching([-1, 0], [1, 2], []) == 0
+
+
+def test_draft_branching_follows_the_kept_trees_and_fades():
+    """No limit before the first sizing at a batch size; then one more than the branching
+    of the trees kept there (a chain: 2), falling by ``REACH_FADE`` per sizing that keeps
+    nothing that wide, and rising with a wider tree kept."""
+    budget = TreeBudget(linear_cost(50.0, 0.5))
+    assert budget.draft_branching(1) is None
+    # root -> a, b, c (depth 1); a -> d (depth 2): the root has three children
+    wide = FlatTree([1, 2, 3, 4], [-1, -1, -1, 0], scores=[0.99, 0.98, 0.97, 0.99],
+                    groups=[1, 1, 1, 2])
+    (kept,) = budget.size(["r"], [wide], base_rows=1, num_requests=1)
+    assert kept.num_nodes == 4 and budget.last.branching == 3
+    assert budget.draft_branching(1) == 4 and budget.draft_branching(4) is None
+    chain = FlatTree([1, 2, 3], [-1, 0, 1], scores=[0.99, 0.99, 0.99], groups=[1, 2, 3])
+    sizings = 0
+    while budget.draft_branching(1) > 2:
+        (kept,) = budget.size(["r"], [chain], base_rows=1, num_requests=1)
+        assert kept.num_nodes == 3 and budget.last.branching == 1
+        sizings += 1
+    assert sizings == round(2 / TreeBudget.REACH_FADE)
+    # two requests' chains side by side are no wider: branching is per tree
+    budget.cost.observe(2, 50.5, 0.0, requests=2, nodes=0)  # a plain step of two requests
+    budget.size(["r", "s"], [chain, chain], base_rows=2, num_requests=2)
+    assert budget.last.branching == 1 and budget.draft_branching(2) == 2
+    hopeless = FlatTree([1], [-1], scores=[0.001], groups=[1])
+    budget.size(["r"], [hopeless], base_rows=1, num_requests=1)
+    assert budget.last.branching == 0 and budget.draft_branching(1) == 2  # fading from 1
+    (kept,) = budget.size(["r"], [wide], base_rows=1, num_requests=1)
+    assert budget.draft_branching(1) == 4
 
 
 def test_draft_depth_follows_the_deepest_kept_node_and_fades():

@@ -12,6 +12,7 @@ import struct
 import pytest
 import torch
 
+from vllm_ptd.budget import kept_branching
 from vllm_ptd.pctree.config import PCTreeConfig
 from vllm_ptd.method import StepOutcome
 from vllm_ptd.tree import FlatTree
@@ -607,6 +608,36 @@ def test_max_depth_cuts_the_drafter_block_and_the_trees(tmp_path, monkeypatch):
     assert U.shape[0] == h.shape[0] == 2
     with pytest.raises(ValueError, match="block of 0 rows"):
         real(m.drafter, ctx, 7, rows=0)
+
+
+def test_max_branching_narrows_the_expansion(tmp_path):
+    """``propose(..., max_branching=b)`` expands with k = min(branching, b): no node of a
+    tree has more than k children nor a depth more than k parents (``kept_branching``),
+    the trace records k, and b at or above ``branching`` gives the trees of no limit."""
+    dr = make_drafter(seed=4)
+    save_drafter(dr, tmp_path)
+    m = PCTreeMethod(PCTreeConfig(model=str(tmp_path), branching=3, max_nodes=12), TARGET,
+                     dr.embed_tokens.weight.detach())
+    for rid, n in (("a", 6), ("b", 9)):
+        m.start(rid, list(range(n)), rows(n, n))
+
+    def shape(trees):
+        return [(t.tokens, t.parents) for t in trees]
+
+    free = m.propose(["a", "b"], [7, 8])
+    assert m.drafted_branching == 3
+    def branching(t):
+        return kept_branching(t.parents, t.depths(), list(range(t.num_nodes)))
+
+    assert max(branching(t) for t in free) > 1  # not chains
+    for limit, k in ((1, 1), (2, 2), (3, 3), (9, 3)):
+        trees = m.propose(["a", "b"], [7, 8], max_branching=limit)
+        assert m.drafted_branching == k
+        assert all(branching(t) <= k for t in trees)
+        if k == 3:
+            assert shape(trees) == shape(free)
+        if k == 1:  # DSpark's greedy chain
+            assert all(t.parents == list(range(-1, t.num_nodes - 1)) for t in trees)
 
 
 def test_method_lifecycle_and_batching(tmp_path):

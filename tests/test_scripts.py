@@ -161,18 +161,19 @@ def test_decode_speedup_prices_each_step_at_its_batch_sizes_plain_steps():
     assert "speedup" not in decode_speedup([step(4, 60.0, trees=1, nodes=2, accepted=1)])
 
 
-def test_step_clock_records_the_accepted_nodes_and_draft_depth_of_its_step():
+def test_step_clock_records_the_accepted_nodes_and_draft_shape_of_its_step():
     from vllm_ptd.integration.step_clock import StepClock
 
     clock = StepClock()
     clock.start_step(rows=6, requests=2)
     clock.set_trees(1, 4)
     clock.set_accepted(3)
-    clock.set_draft_depth(2)
+    clock.set_draft_shape(2, 3)
     first = clock.start_step(rows=2, requests=2)
-    assert (first["trees"], first["nodes"], first["accepted"], first["draft_depth"]) == (1, 4, 3, 2)
+    assert (first["trees"], first["nodes"], first["accepted"], first["draft_depth"],
+            first["draft_branching"]) == (1, 4, 3, 2, 3)
     second = clock.start_step(rows=2, requests=2)
-    assert second["accepted"] == 0 and second["draft_depth"] == 0
+    assert second["accepted"] == 0 and second["draft_depth"] == second["draft_branching"] == 0
 
 
 def test_step_clock_leaves_the_engine_waiting_out_of_a_step():

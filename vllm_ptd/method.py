@@ -64,6 +64,8 @@ class TreeMethod(ABC, Generic[State]):
         #: how deep the last ``propose`` drafted (PCTree: its drafter block's rows), for the
         #: trace; 0 where a method drafts to no depth of its own choosing, or proposed nothing
         self.drafted_depth = 0
+        #: how wide it branched (PCTree: its expansion's k), for the trace; 0 likewise
+        self.drafted_branching = 0
 
     @property
     @abstractmethod
@@ -82,12 +84,15 @@ class TreeMethod(ABC, Generic[State]):
 
     @abstractmethod
     def propose(self, req_ids: list[str], last_tokens: list[int],
-                max_depth: int | None = None) -> list[FlatTree]:
+                max_depth: int | None = None,
+                max_branching: int | None = None) -> list[FlatTree]:
         """Next step's tree for each request, rooted at its last committed token.
         ``max_depth``: how deep the step's budget expects to use a tree (``TreeBudget
         .draft_depth``; None: no limit). A method whose drafting costs more the deeper it
         drafts (PCTree's drafter block) drafts no deeper; one whose depth is free may
-        ignore it (the budget cuts every tree to what pays all the same)."""
+        ignore it (the budget cuts every tree to what pays all the same).
+        ``max_branching``: likewise how wide (``TreeBudget.draft_branching``), for a method
+        whose drafting costs more the wider it branches (PCTree's expansion)."""
 
     def skip(self, req_ids: list[str], last_tokens: list[int]) -> None:
         """These requests send no tree this step (drafting paused, or off at this batch

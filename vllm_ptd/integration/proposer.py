@@ -653,9 +653,12 @@ class TreeProposer:
             return out
         t0 = time.perf_counter()
         with self.clock.part("drafting"):
-            trees = method.propose(ready_ids, ready_last, max_depth=(
-                None if self.budget is None else self.budget.draft_depth(ib.num_reqs)))
-        self.clock.set_draft_depth(method.drafted_depth)
+            budget = self.budget
+            trees = method.propose(
+                ready_ids, ready_last,
+                max_depth=None if budget is None else budget.draft_depth(ib.num_reqs),
+                max_branching=None if budget is None else budget.draft_branching(ib.num_reqs))
+        self.clock.set_draft_shape(method.drafted_depth, method.drafted_branching)
         if self.budget is not None:
             # what drafting again next step would cost: not the rows earlier steps left for
             # the method (a new request's prompt, the rows of a pause), which whichever

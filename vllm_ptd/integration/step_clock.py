@@ -36,6 +36,7 @@ class StepClock:
         self._predicted = 0.0
         self._accepted = 0
         self._draft_depth = 0
+        self._draft_branching = 0
         self._parts = dict.fromkeys(PARTS, 0.0)
         self.totals = dict.fromkeys(("steps", "wall", *PARTS), 0.0)
 
@@ -43,7 +44,8 @@ class StepClock:
         """Close the step in flight and start the next one (``rows``: its scheduled tokens,
         ``requests``: the requests it runs). Returns the closed step's record: rows,
         requests, trees (requests that carried one), nodes (theirs), accepted (their nodes
-        accepted), draft_depth (how deep the step's proposal drafted: ``set_draft_depth``),
+        accepted), draft_depth and draft_branching (how deep and wide the step's proposal
+        drafted: ``set_draft_shape``),
         wall_ms, idle_ms (the engine's wait before the next step, left out of wall_ms),
         predicted_ms (the budget's estimate of wall less drafting, 0 without one) and one
         ``<part>_ms`` per part."""
@@ -58,6 +60,7 @@ class StepClock:
             record = {"rows": self._rows, "requests": self._requests, "trees": self._trees,
                       "nodes": self._nodes, "accepted": self._accepted,
                       "draft_depth": self._draft_depth,
+                      "draft_branching": self._draft_branching,
                       "wall_ms": 1000 * (now - self._start) - idle_ms, "idle_ms": idle_ms,
                       "predicted_ms": self._predicted,
                       **{f"{k}_ms": v for k, v in self._parts.items()}}
@@ -67,7 +70,8 @@ class StepClock:
                 self.totals[k] += v
         self._start, self._rows, self._requests, self._trees = now, rows, requests, 0
         self._last_mark = None
-        self._nodes, self._predicted, self._accepted, self._draft_depth = 0, 0.0, 0, 0
+        self._nodes, self._predicted, self._accepted = 0, 0.0, 0
+        self._draft_depth = self._draft_branching = 0
         self._parts = dict.fromkeys(PARTS, 0.0)
         return record
 
@@ -76,10 +80,11 @@ class StepClock:
         budget expected the step to take (0: no budget)."""
         self._trees, self._nodes, self._predicted = trees, nodes, predicted_ms
 
-    def set_draft_depth(self, depth: int) -> None:
-        """How deep the step in flight's proposal drafted (``TreeMethod.drafted_depth``; 0:
-        no proposal, or a method that does not choose a depth)."""
-        self._draft_depth = depth
+    def set_draft_shape(self, depth: int, branching: int = 0) -> None:
+        """How deep and wide the step in flight's proposal drafted (``TreeMethod
+        .drafted_depth``, ``.drafted_branching``; 0: no proposal, or a method that does not
+        choose them)."""
+        self._draft_depth, self._draft_branching = depth, branching
 
     def set_accepted(self, accepted: int) -> None:
         """How many tree nodes of the step in flight were accepted."""

@@ -258,11 +258,13 @@ class PCTreeMethod(TreeMethod[_Request]):
 
     @torch.no_grad()
     def propose(self, req_ids: list[str], last_tokens: list[int],
-                max_depth: int | None = None) -> list[FlatTree]:
+                max_depth: int | None = None,
+                max_branching: int | None = None) -> list[FlatTree]:
         """Trees from one drafter block for all requests; with ``max_depth`` the block has
         that many rows (at most the drafter's block size) and the expansion that many
-        stages. Why: the block's GEMMs and the expansion's stages cost in proportion to its
-        rows (at 4 requests in bf16 here a proposal took a median 8.8-11.8 ms, a plain
+        stages; with ``max_branching`` the expansion's k is at most that (``branching``
+        is the most). Why: the block's GEMMs and the expansion's stages cost in proportion
+        to its rows and width (at 4 requests in bf16 here a proposal took a median 8.8-11.8 ms, a plain
         step about 26 ms), while a budget that keeps one or two nodes per request uses
         the first rows only; a block cut after its third row drafted as well as the
         whole one at depth 3 (``scripts/bench_pctree.py -N 6 --depth 3``, 12 prompts:
@@ -273,7 +275,7 @@ class PCTreeMethod(TreeMethod[_Request]):
         out = [FlatTree() for _ in req_ids]
         c = self.config
         self.catch_up_ms = 0.0
-        self.drafted_depth = 0
+        self.drafted_depth = self.drafted_branching = 0
         if not live or c.max_nodes < 2 or c.depth == 0:
             return out
         states = [self._requests[req_ids[i]] for i in live]
@@ -285,8 +287,9 @@ class PCTreeMethod(TreeMethod[_Request]):
         roots = [int(last_tokens[i]) for i in live]
         depth = c.depth if max_depth is None else max(1, min(c.depth, int(max_depth)))
         U, h = self.drafter.draft_block(ctxs, roots, rows=depth)
-        self.drafted_depth = depth
-        res = expand_trees(U, roots, markov=self.drafter.markov_head, hidden=h, k=c.branching,
+        k = c.branching if max_branching is None else max(1, min(c.branching, int(max_branching)))
+        self.drafted_depth, self.drafted_branching = depth, k
+        res = expand_trees(U, roots, markov=self.drafter.markov_head, hidden=h, k=k,
                            max_nodes=c.max_nodes, depth=depth, mode=c.mode, return_scores=True,
                            vocab_ids=self.drafter.draft_vocab)
         for i, t, joint in zip(live, res.trees, res.scores):

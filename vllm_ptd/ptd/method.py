@@ -196,7 +196,8 @@ class PTDMethod(TreeMethod[PTDRequest]):
                 self._take_last(st, int(last))
 
     def propose(self, req_ids: list[str], last_tokens: list[int],
-                max_depth: int | None = None) -> list[FlatTree]:
+                max_depth: int | None = None,
+                max_branching: int | None = None) -> list[FlatTree]:
         out = []
         c = self.config
         suffix = c.match == "suffix"
