@@ -638,6 +638,16 @@ def test_max_branching_narrows_the_expansion(tmp_path):
             assert shape(trees) == shape(free)
         if k == 1:  # DSpark's greedy chain
             assert all(t.parents == list(range(-1, t.num_nodes - 1)) for t in trees)
+    # draft_shape "full": the budget's limits are not asked for
+    full = PCTreeMethod(PCTreeConfig(model=str(tmp_path), branching=3, max_nodes=12,
+                                     draft_shape="full"), TARGET, dr.embed_tokens.weight.detach())
+    for rid, n in (("a", 6), ("b", 9)):
+        full.start(rid, list(range(n)), rows(n, n))
+    trees = full.propose(["a", "b"], [7, 8], max_depth=1, max_branching=1)
+    assert (full.drafted_depth, full.drafted_branching) == (dr.block_size, 3)
+    assert shape(trees) == shape(free)
+    with pytest.raises(ValueError, match="draft_shape"):
+        PCTreeConfig(draft_shape="wide")
 
 
 def test_method_lifecycle_and_batching(tmp_path):

@@ -229,10 +229,10 @@ def test_trace_tries_count_proposals_and_whether_trees_followed():
     from vllm_ptd.bench.trace_steps import drafting_tries
 
     step = lambda **k: json.dumps({"step": {"nodes": 0, **k}})  # noqa: E731
-    lines = [step(requests=4, trees=0, drafting_ms=9.0, draft_depth=2),  # trees next step
+    lines = [step(requests=4, trees=0, drafting_ms=9.0, draft_depth=2, draft_branching=2),
              step(requests=4, trees=3, drafting_ms=0.02),  # upkeep only
-             step(requests=4, trees=0, drafting_ms=11.0, draft_depth=3),  # no tree next step
-             step(requests=4, trees=0, drafting_ms=12.0, draft_depth=3),
+             step(requests=4, trees=0, drafting_ms=11.0, draft_depth=3, draft_branching=3),
+             step(requests=4, trees=0, drafting_ms=12.0, draft_depth=3, draft_branching=3),
              json.dumps({"req": "a", "nodes": 3}),
              step(requests=1, trees=0, drafting_ms=5.0),
              step(requests=1, trees=1, drafting_ms=4.0)]   # the last step: nothing follows
@@ -240,8 +240,10 @@ def test_trace_tries_count_proposals_and_whether_trees_followed():
     assert set(t) == {4, 1}
     assert (t[4]["tries"], t[4]["followed_by_trees"], t[4]["median_ms"]) == (3, 1, 11.0)
     assert t[4]["total_s"] == pytest.approx(0.032) and t[4]["median_depth"] == 3
+    assert t[4]["median_branching"] == 3
     assert (t[1]["tries"], t[1]["followed_by_trees"], t[1]["median_ms"]) == (1, 1, 5.0)
-    assert t[1]["median_depth"] is None  # records without the field (PTD, older traces)
+    # records without the fields (PTD, older traces)
+    assert t[1]["median_depth"] is None and t[1]["median_branching"] is None
 
 
 def test_trace_request_ratios_group_trees_by_their_requests_earlier_outcomes():

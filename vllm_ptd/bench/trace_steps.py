@@ -151,24 +151,31 @@ def drafting_tries(lines, min_ms: float = 1.0) -> dict[int, dict]:
     """The method's proposals, per number of requests of the step that made them: steps
     whose drafting took at least ``min_ms`` (a proposal; what a method does on a step
     without one, e.g. PCTree queueing the step's rows, takes hundredths of a millisecond),
-    ``{requests: {"tries", "followed_by_trees", "median_ms", "total_s", "median_depth"}}``
-    (a proposal's trees go out with the next step; its drafting is timed in the step that
-    made it; ``median_depth``: how deep the proposals drafted, None where the records do
-    not say, as with PTD or traces older than the field). For PTD, whose upkeep at many
+    ``{requests: {"tries", "followed_by_trees", "median_ms", "total_s", "median_depth",
+    "median_branching"}}`` (a proposal's trees go out with the next step; its drafting is
+    timed in the step that made it; ``median_depth``, ``median_branching``: how deep and
+    wide the proposals drafted, None where the records do not say, as with PTD or traces
+    older than the fields). For PTD, whose upkeep at many
     requests takes as long as a proposal, the count is looser."""
     records = step_records(lines)
-    found: dict[int, list[tuple[float, bool, int]]] = defaultdict(list)
+    found: dict[int, list[tuple[float, bool, int, int]]] = defaultdict(list)
     for s, nxt in zip(records, records[1:]):
         if s.get("drafting_ms", 0.0) >= min_ms and "requests" in s:
             found[s["requests"]].append((s["drafting_ms"], nxt["trees"] > 0,
-                                         int(s.get("draft_depth", 0))))
+                                         int(s.get("draft_depth", 0)),
+                                         int(s.get("draft_branching", 0))))
+
+    def median_of(values):
+        values = [v for v in values if v > 0]
+        return statistics.median(values) if values else None
+
     out = {}
     for req, tries in sorted(found.items()):
-        depths = [d for _, _, d in tries if d > 0]
-        out[req] = {"tries": len(tries), "followed_by_trees": sum(ok for _, ok, _ in tries),
-                    "median_ms": statistics.median(ms for ms, _, _ in tries),
-                    "total_s": sum(ms for ms, _, _ in tries) / 1000,
-                    "median_depth": statistics.median(depths) if depths else None}
+        out[req] = {"tries": len(tries), "followed_by_trees": sum(t[1] for t in tries),
+                    "median_ms": statistics.median(t[0] for t in tries),
+                    "total_s": sum(t[0] for t in tries) / 1000,
+                    "median_depth": median_of(t[2] for t in tries),
+                    "median_branching": median_of(t[3] for t in tries)}
     return out
 
 
@@ -224,12 +231,14 @@ def main(argv: list[str] | None = None) -> int:
         lines = f.readlines()
     if args.tries:
         tries = drafting_tries(lines)
-        print("| requests | proposals | followed by trees | median ms | total s | median depth |")
-        print("|---|---|---|---|---|---|")
+        print("| requests | proposals | followed by trees | median ms | total s | median depth "
+              "| median branching |")
+        print("|---|---|---|---|---|---|---|")
         for req, t in tries.items():
-            depth = "—" if t["median_depth"] is None else f"{t['median_depth']:g}"
+            depth, branching = ("—" if t[k] is None else f"{t[k]:g}"
+                                for k in ("median_depth", "median_branching"))
             print(f"| {req} | {t['tries']} | {t['followed_by_trees']} | {t['median_ms']:.1f} | "
-                  f"{t['total_s']:.1f} | {depth} |")
+                  f"{t['total_s']:.1f} | {depth} | {branching} |")
         return 0
     if args.request_ratios:
         print("| request's ratio before the tree | trees | expected | accepted | accepted / expected |")

@@ -14,6 +14,7 @@ MODES = ("pctree", "shared", "chain")
 DEFAULT_BRANCHING = 4
 DRAFTER_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DRAFTER_GEMMS = ("auto", "float", "int8")
+DRAFT_SHAPES = ("budget", "full")
 
 
 def pool_capacity(k: int, depth: int) -> int:
@@ -49,6 +50,10 @@ class PCTreeConfig:
     # rows of committed text a request that does not draft keeps for its drafter to catch
     # up on when it drafts again; older ones are skipped (None: all)
     catch_up_rows: int | None = 64
+    # "budget": each proposal drafts as deep and branches as wide as the budget has lately
+    # used at its batch size, plus one (TreeBudget.draft_depth / draft_branching); "full":
+    # always depth and branching
+    draft_shape: str = "budget"
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -62,6 +67,7 @@ class PCTreeConfig:
         check_choice("budget", self.budget, BUDGET_MODES)
         check_choice("drafter_dtype", self.drafter_dtype, DRAFTER_DTYPES)
         check_choice("drafter_gemm", self.drafter_gemm, DRAFTER_GEMMS)
+        check_choice("draft_shape", self.draft_shape, DRAFT_SHAPES)
         if self.draft_vocab is not None:
             check_int("draft_vocab", self.draft_vocab, 0, 1 << 24)
         if self.catch_up_rows is not None:

@@ -263,7 +263,7 @@ class PCTreeMethod(TreeMethod[_Request]):
         """Trees from one drafter block for all requests; with ``max_depth`` the block has
         that many rows (at most the drafter's block size) and the expansion that many
         stages; with ``max_branching`` the expansion's k is at most that (``branching``
-        is the most). Why: the block's GEMMs and the expansion's stages cost in proportion
+        is the most); ``draft_shape: "full"`` ignores both. Why: the block's GEMMs and the expansion's stages cost in proportion
         to its rows and width (at 4 requests in bf16 here a proposal took a median 8.8-11.8 ms, a plain
         step about 26 ms), while a budget that keeps one or two nodes per request uses
         the first rows only; a block cut after its third row drafted as well as the
@@ -285,6 +285,8 @@ class PCTreeMethod(TreeMethod[_Request]):
             self.catch_up_ms = 1000 * (time.perf_counter() - t0)
         ctxs = [st.ctx for st in states]
         roots = [int(last_tokens[i]) for i in live]
+        if c.draft_shape == "full":
+            max_depth = max_branching = None
         depth = c.depth if max_depth is None else max(1, min(c.depth, int(max_depth)))
         U, h = self.drafter.draft_block(ctxs, roots, rows=depth)
         k = c.branching if max_branching is None else max(1, min(c.branching, int(max_branching)))
