@@ -582,15 +582,22 @@ def test_queue_keeps_the_last_rows_of_its_pieces_without_holding_the_rest():
             assert ptr not in originals or originals[ptr] == piece.shape[0]
 
 
-def test_max_depth_cuts_the_drafter_block_and_the_trees(tmp_path, monkeypatch):
-    """``propose(..., max_depth=d)`` drafts a block of d rows (no more than the drafter's)
-    and trees no deeper than d; the block is the drafter's own for that many rows."""
+def two_requests(folder, **config) -> tuple[DSparkDrafter, PCTreeMethod]:
+    """A drafter saved in ``folder`` and a method over it (branching 3) with requests "a"
+    and "b" started."""
     dr = make_drafter(seed=4)
-    save_drafter(dr, tmp_path)
-    m = PCTreeMethod(PCTreeConfig(model=str(tmp_path), branching=3, max_nodes=9), TARGET,
+    save_drafter(dr, folder)
+    m = PCTreeMethod(PCTreeConfig(model=str(folder), branching=3, **config), TARGET,
                      dr.embed_tokens.weight.detach())
     for rid, n in (("a", 6), ("b", 9)):
         m.start(rid, list(range(n)), rows(n, n))
+    return dr, m
+
+
+def test_max_depth_cuts_the_drafter_block_and_the_trees(tmp_path, monkeypatch):
+    """``propose(..., max_depth=d)`` drafts a block of d rows (no more than the drafter's)
+    and trees no deeper than d; the block is the drafter's own for that many rows."""
+    dr, m = two_requests(tmp_path, max_nodes=9)
     blocks = []
     real = DSparkDrafter.draft_block
 
@@ -614,21 +621,16 @@ def test_max_branching_narrows_the_expansion(tmp_path):
     """``propose(..., max_branching=b)`` expands with k = min(branching, b): no node of a
     tree has more than k children nor a depth more than k parents (``kept_branching``),
     the trace records k, and b at or above ``branching`` gives the trees of no limit."""
-    dr = make_drafter(seed=4)
-    save_drafter(dr, tmp_path)
-    m = PCTreeMethod(PCTreeConfig(model=str(tmp_path), branching=3, max_nodes=12), TARGET,
-                     dr.embed_tokens.weight.detach())
-    for rid, n in (("a", 6), ("b", 9)):
-        m.start(rid, list(range(n)), rows(n, n))
+    dr, m = two_requests(tmp_path, max_nodes=12)
 
     def shape(trees):
         return [(t.tokens, t.parents) for t in trees]
 
-    free = m.propose(["a", "b"], [7, 8])
-    assert m.drafted_branching == 3
     def branching(t):
         return kept_branching(t.parents, t.depths(), list(range(t.num_nodes)))
 
+    free = m.propose(["a", "b"], [7, 8])
+    assert m.drafted_branching == 3
     assert max(branching(t) for t in free) > 1  # not chains
     for limit, k in ((1, 1), (2, 2), (3, 3), (9, 3)):
         trees = m.propose(["a", "b"], [7, 8], max_branching=limit)
@@ -639,10 +641,7 @@ def test_max_branching_narrows_the_expansion(tmp_path):
         if k == 1:  # DSpark's greedy chain
             assert all(t.parents == list(range(-1, t.num_nodes - 1)) for t in trees)
     # draft_shape "full": the budget's limits are not asked for
-    full = PCTreeMethod(PCTreeConfig(model=str(tmp_path), branching=3, max_nodes=12,
-                                     draft_shape="full"), TARGET, dr.embed_tokens.weight.detach())
-    for rid, n in (("a", 6), ("b", 9)):
-        full.start(rid, list(range(n)), rows(n, n))
+    _, full = two_requests(tmp_path / "full", max_nodes=12, draft_shape="full")
     trees = full.propose(["a", "b"], [7, 8], max_depth=1, max_branching=1)
     assert (full.drafted_depth, full.drafted_branching) == (dr.block_size, 3)
     assert shape(trees) == shape(free)

@@ -263,9 +263,10 @@ class PCTreeMethod(TreeMethod[_Request]):
         """Trees from one drafter block for all requests; with ``max_depth`` the block has
         that many rows (at most the drafter's block size) and the expansion that many
         stages; with ``max_branching`` the expansion's k is at most that (``branching``
-        is the most); ``draft_shape: "full"`` ignores both. Why: the block's GEMMs and the expansion's stages cost in proportion
-        to its rows and width (at 4 requests in bf16 here a proposal took a median 8.8-11.8 ms, a plain
-        step about 26 ms), while a budget that keeps one or two nodes per request uses
+        is the most); ``draft_shape: "full"`` ignores both. Why: the block's GEMMs and the
+        expansion's stages cost in proportion to its rows, and the stages with their width
+        (at 4 requests in bf16 here a proposal took a median 8.8-11.8 ms, a plain step
+        about 26 ms), while a budget that keeps one or two nodes per request uses
         the first rows only; a block cut after its third row drafted as well as the
         whole one at depth 3 (``scripts/bench_pctree.py -N 6 --depth 3``, 12 prompts:
         tau 1.684 against 1.680: the MASK rows after a position tell it little)."""
