@@ -814,8 +814,9 @@ class TreeBudget:
     MIN_EXPLORE = 0.25
     HIT_MEMORY = 16
     PRIOR_TRIES = 4.0  # before any try at a batch size: this many, half of them hits
-    REACH_FADE = 0.125  # levels (or nodes of width) the reach of the kept trees loses per
-    # sizing (draft_depth, draft_branching)
+    # levels (or degrees of branching) the reach of the kept trees loses per sizing
+    # (draft_depth, draft_branching)
+    REACH_FADE = 0.125
 
     def __init__(self, cost: StepCostModel, acceptance: AcceptanceModel | None = None) -> None:
         self.cost = cost
@@ -832,7 +833,7 @@ class TreeBudget:
         # batch bucket -> the depth of the deepest node kept lately (draft_depth)
         self._reach: dict[int, float] = {}
         # batch bucket -> the branching of the kept trees lately (draft_branching)
-        self._width: dict[int, float] = {}
+        self._branching: dict[int, float] = {}
         self.last: Allocation | None = None
 
     def should_draft(self) -> bool:
@@ -864,12 +865,12 @@ class TreeBudget:
         ``draft_shape: "full"`` and 6.2 ms for its chain in the same run; at batch 1, where
         the budget keeps wide trees, k stayed 4 in most proposals. One more than the
         branching kept lets a wider tree show that it pays."""
-        width = self._width.get(StepCostModel.batch_bucket(num_requests))
-        return None if width is None else math.ceil(width) + 1
+        branching = self._branching.get(StepCostModel.batch_bucket(num_requests))
+        return None if branching is None else math.ceil(branching) + 1
 
     def _kept_reach(self, num_requests: int, deepest: int, branching: int) -> None:
         bucket = StepCostModel.batch_bucket(num_requests)
-        for table, kept in ((self._reach, deepest), (self._width, branching)):
+        for table, kept in ((self._reach, deepest), (self._branching, branching)):
             last = table.get(bucket)
             table[bucket] = float(kept) if last is None else max(
                 float(kept), last - self.REACH_FADE)
