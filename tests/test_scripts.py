@@ -479,6 +479,37 @@ def test_paired_steps_are_timed_and_sorted_by_kind():
     assert f"| ptd | {steps:.2f} | 0.25 | 0.00 | 0.00 | 1.00 | {5 - steps - 1.25:.2f} |" in text
 
 
+def test_paired_bf16_divergences_are_explained_by_plain_decodings_top2_gaps():
+    """In bf16 the paired benchmark reads plain decoding's top-2 gap at each output's first
+    divergence from a rerun of that batch, once per batch; a rerun that does not reproduce
+    the timed plain output leaves the divergence unknown; the report counts near-ties."""
+    from vllm_ptd.bench.near_ties import TIE_GAP
+    from vllm_ptd.bench.paired import divergence_gaps, identical_cell, report
+
+    # two batches of two prompts, two rounds: calls 0, 1 (round 1) and 2, 3 (round 2)
+    plain = [[[1, 2, 3], [4, 5]], [[6, 7], [8, 9]], [[1, 2, 3], [4, 5]], [[6, 7], [8, 9]]]
+    tree = [[[1, 2, 30], [4, 5]], [[60, 7], [8, 9]], [[1, 2, 30], [4, 5]], [[6, 7], [8, 9]]]
+    reruns = {0: ([[1, 2, 3], [4, 5]], [[1.0, 2.0, TIE_GAP / 2], [1.0, 1.0]]),
+              1: ([[6, 70], [8, 9]], [[3.0, 3.0], [1.0, 1.0]])}  # not reproduced
+    asked = []
+
+    def rerun(call):
+        asked.append(call)
+        return reruns[call % 2]
+
+    gaps = divergence_gaps(plain, tree, rerun)
+    assert gaps == [TIE_GAP / 2, None, TIE_GAP / 2]
+    assert asked == [0, 1, 2]  # only calls with a divergence
+    assert divergence_gaps(plain, plain, rerun) == []
+    assert identical_cell(5, 8, gaps) == "5/8 (2/2 at near-ties; 1 unknown)"
+    assert identical_cell(3, 4, [TIE_GAP * 4]) == "3/4 (0/1 at near-ties)"
+    assert identical_cell(8, 8, []) == identical_cell(8, 8, None) == "8/8"
+    kinds = {"none": {}, "ptd": {}}
+    text = report(["none", "ptd"], {"none": [1.0], "ptd": [1.0]}, kinds, {"ptd": (5, 8)},
+                  {"none": {}, "ptd": {}}, gaps={"ptd": gaps})
+    assert "| 5/8 (2/2 at near-ties; 1 unknown) |" in text
+
+
 def test_bf16_divergences_are_explained_by_plain_decodings_top2_gaps():
     """A run in bf16 reruns, untimed and once, each plain batch in which a method's output
     parted from plain decoding's, with logprobs, and reads plain decoding's top-2 gap at the

@@ -83,7 +83,7 @@ def explain_divergences(plain_engine, records: list[dict], prompts: dict[str, li
         x.setdefault("divergence_gaps", {})[j] = rerun["top2_gaps"][j][k] if same else None
     if found:
         gaps = [x["divergence_gaps"][j] for x, _, j, _ in found]
-        near, known, differed = _counts(gaps)
+        near, known, differed = count_near_ties(gaps)
         shown = ", ".join("?" if g is None else f"{g:.3f}" for g in gaps[:12])
         say(f"[bench] {len(found)} outputs part from plain decoding; at {near} of the {known} "
             f"whose plain rerun reproduced the timed output, plain decoding's top-2 logits were "
@@ -106,12 +106,13 @@ def explain_run(engines: list, records: list[dict], prompts: dict[str, list[dict
         say(f"[bench] divergences left unexplained: {e}")
 
 
-def _counts(gaps: list[float | None]) -> tuple[int, int, int]:
+def count_near_ties(gaps: list[float | None]) -> tuple[int, int, int]:
+    """Of plain decoding's top-2 gaps at first divergences (None: unknown): (at a near-tie,
+    with a known gap, unknown)."""
     known = [g for g in gaps if g is not None]
     return sum(g <= TIE_GAP for g in known), len(known), len(gaps) - len(known)
 
 
 def near_tie_counts(records: list[dict]) -> tuple[int, int, int]:
-    """Over ``records``' divergences: (at a near-tie, with a known gap, with the gap unknown
-    because plain decoding's rerun did not reproduce its timed output)."""
-    return _counts([g for x in records for g in x.get("divergence_gaps", {}).values()])
+    """``count_near_ties`` over ``records``' divergences (``explain_divergences``)."""
+    return count_near_ties([g for x in records for g in x.get("divergence_gaps", {}).values()])

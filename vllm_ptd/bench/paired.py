@@ -10,7 +10,10 @@ method its verification and drafting) and sorted by kind: *decode* (every reques
 schedules its one token, plus its tree) or *prefill* (some request schedules prompt rows),
 with or without a tree; so is the engine's host work around the steps (the scheduler, the
 drafts handed to it, the output processing). Outputs are compared with the first method's,
-batch by batch.
+batch by batch; in bf16 (or fp16) where the first method is plain decoding, each output that
+parts from it is explained as the offline benchmark's are (``near_ties``): the plain engine
+reruns that batch once, untimed, with logprobs, and the report counts the first divergences
+at which its top-2 logits were within ``TIE_GAP``.
 
 Threads: a multiprocess vLLM CPU engine binds its worker to the cores it does not reserve
 for its front end (one per worker on x86, so one core of two here); engines in one process
@@ -27,6 +30,10 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
+
+from vllm_ptd.bench.near_ties import (EXPLAINED_DTYPES, TIE_GAP, count_near_ties,
+                                      first_divergence, top2_gaps)
 
 STEP_KINDS = ("decode", "decode+tree", "prefill", "prefill+tree")
 # the engine's host work around its steps: (owner, method) under ``LLM.llm_engine``
@@ -89,12 +96,41 @@ def summarize_steps(steps: list[tuple[str, int, float]]) -> dict[str, dict]:
     return out
 
 
+def divergence_gaps(reference: list[list[list[int]]], outputs: list[list[list[int]]],
+                    rerun: Callable[[int], tuple[list[list[int]], list[list[float]]]]
+                    ) -> list[float | None]:
+    """Plain decoding's top-2 gap at the first divergence of each output in ``outputs``
+    (per call, per prompt) that parts from ``reference``'s (the same calls); None where
+    ``rerun(call)`` (the reference's outputs and top-2 gaps of that call's batch, rerun with
+    logprobs) did not reproduce the timed reference output."""
+    gaps: list[float | None] = []
+    for call, (ref_call, out_call) in enumerate(zip(reference, outputs)):
+        for j, (a, b) in enumerate(zip(ref_call, out_call)):
+            k = first_divergence(b, a)
+            if k is None:
+                continue
+            again, top2 = rerun(call)
+            same = again[j] == a and k < len(top2[j])
+            gaps.append(top2[j][k] if same else None)
+    return gaps
+
+
+def identical_cell(same: int, total: int, gaps: list[float | None] | None) -> str:
+    """``same/total``, and in bf16 how many of the divergences were near-ties."""
+    cell = f"{same}/{total}"
+    if gaps:
+        near, known, unknown = count_near_ties(gaps)
+        cell += f" ({near}/{known} at near-ties" + (f"; {unknown} unknown)" if unknown else ")")
+    return cell
+
+
 def report(labels: list[str], walls: dict[str, list[float]], kinds: dict[str, dict],
            identical: dict[str, tuple[int, int]], host: dict[str, dict[str, float]],
-           rounds: int = 1) -> str:
+           rounds: int = 1, gaps: dict[str, list[float | None]] | None = None) -> str:
     """Markdown: each engine's wall time against the first's (per batch: the median of the
     ratios; per round, ``walls`` holding ``rounds`` rounds of batches in order: the ratio of
-    the sums, mean ± sample sd), outputs equal to the first's, its steps by kind, and its
+    the sums, mean ± sample sd), outputs equal to the first's (with ``gaps``, those of
+    ``divergence_gaps``, how many parted at near-ties), its steps by kind, and its
     seconds in each host phase (``HOST_PHASES``) and the rest of the wall time."""
     ref = labels[0]
     lines = ["| method | wall s | wall / first's, per batch (median) | per round (mean ± sd) "
@@ -109,7 +145,7 @@ def report(labels: list[str], walls: dict[str, list[float]], kinds: dict[str, di
         same, total = identical.get(lab, (0, 0))
         lines.append(f"| {lab} | {sum(w):.2f} | {statistics.median(ratios):.3f} | "
                      f"{statistics.fmean(per_round):.3f} ± {sd:.3f} | "
-                     f"{'ref' if lab == ref else f'{same}/{total}'} |")
+                     f"{'ref' if lab == ref else identical_cell(same, total, (gaps or {}).get(lab))} |")
     lines += ["", "| method | step kind | steps | seconds | rows | ms per step | rows per step |",
               "|---|---|---|---|---|---|---|"]
     for lab in labels:
@@ -191,15 +227,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[paired] {m.label} ready in {time.perf_counter() - t0:.0f}s", flush=True)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
 
-    def generate(label: str, ids: list[list[int]]) -> list[list[int]]:
-        outs = engines[label][0].generate([TokensPrompt(prompt_token_ids=p) for p in ids], sp,
-                                          use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
+    def generate(label: str, ids: list[list[int]], params=sp):
+        return engines[label][0].generate([TokensPrompt(prompt_token_ids=p) for p in ids],
+                                          params, use_tqdm=False)
+
+    def tokens(label: str, ids: list[list[int]]) -> list[list[int]]:
+        return [list(o.outputs[0].token_ids) for o in generate(label, ids)]
 
     for label in labels:  # warm-up on held-out prompts, not timed
         for items in held_out.values():
             if items:
-                generate(label, [p["ids"] for p in items])
+                tokens(label, [p["ids"] for p in items])
         engines[label][1].steps.clear()
         engines[label][2].clear()
     batches = []
@@ -214,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             k = (rnd * len(batches) + b) % len(labels)
             for label in labels[k:] + labels[:k]:
                 t0 = time.perf_counter()
-                outputs[label].append(generate(label, ids))
+                outputs[label].append(tokens(label, ids))
                 walls[label].append(time.perf_counter() - t0)
         print(f"[paired] round {rnd + 1}/{args.rounds} done", flush=True)
     ref = labels[0]
@@ -222,7 +260,24 @@ def main(argv: list[str] | None = None) -> int:
                        sum(len(x) for x in outputs[ref])) for lab in labels[1:]}
     kinds = {lab: summarize_steps(engines[lab][1].steps) for lab in labels}
     host = {lab: dict(engines[lab][2]) for lab in labels}
-    table = report(labels, walls, kinds, identical, host, args.rounds)
+    gaps = None
+    if args.dtype in EXPLAINED_DTYPES and methods[0].spec is None:
+        reruns: dict[int, tuple[list[list[int]], list[list[float]]]] = {}
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=2)
+
+        def rerun(call: int):  # calls run the batches round after round
+            b = call % len(batches)
+            if b not in reruns:
+                outs = generate(ref, batches[b], params)
+                reruns[b] = ([list(o.outputs[0].token_ids) for o in outs],
+                             [top2_gaps(o.outputs[0].logprobs) for o in outs])
+            return reruns[b]
+
+        gaps = {lab: divergence_gaps(outputs[ref], outputs[lab], rerun) for lab in labels[1:]}
+        print(f"[paired] {sum(map(len, gaps.values()))} outputs part from plain decoding; "
+              f"{len(reruns)} plain batches rerun with logprobs (near-tie: top-2 logits within "
+              f"{TIE_GAP})", flush=True)
+    table = report(labels, walls, kinds, identical, host, args.rounds, gaps)
     text = (f"# Engines side by side in one process ({args.rounds} rounds; {args.batching} "
             f"batches of {args.batch_size}, {args.num_prompts} prompts x {args.max_tokens} "
             f"tokens per dataset, {args.dtype}, "
@@ -233,6 +288,6 @@ def main(argv: list[str] | None = None) -> int:
     (out / "paired.md").write_text(text)
     (out / "paired.json").write_text(json.dumps(
         {"args": vars(args), "host": host_info(), "walls": walls, "kinds": kinds,
-         "identical": identical, "host_phases": host}, indent=1))
+         "identical": identical, "divergence_gaps": gaps, "host_phases": host}, indent=1))
     print(text)
     return 0
