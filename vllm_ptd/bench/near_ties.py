@@ -65,6 +65,13 @@ def divergences(records: list[dict]) -> list[tuple[dict, dict, int, int]]:
     return out
 
 
+def gap_at_divergence(rerun_output: list[int], rerun_gaps: list[float],
+                      timed_output: list[int], k: int) -> float | None:
+    """Plain decoding's top-2 gap at token ``k`` from its rerun with logprobs; None where the
+    rerun did not reproduce the timed output (its gaps then belong to another text)."""
+    return rerun_gaps[k] if rerun_output == timed_output and k < len(rerun_gaps) else None
+
+
 def explain_divergences(plain_engine, records: list[dict], prompts: dict[str, list[dict]],
                         say=print) -> int:
     """Sets ``divergence_gaps`` ({output slot: plain decoding's top-2 gap at the first
@@ -79,8 +86,8 @@ def explain_divergences(plain_engine, records: list[dict], prompts: dict[str, li
             batch = [prompts[ref["dataset"]][i]["ids"] for i in ref["prompt_index"]]
             reruns[key] = plain_engine.generate(batch, ref["limits"], logprobs=2)
         rerun = reruns[key]
-        same = rerun["outputs"][j] == ref["outputs"][j] and k < len(rerun["top2_gaps"][j])
-        x.setdefault("divergence_gaps", {})[j] = rerun["top2_gaps"][j][k] if same else None
+        x.setdefault("divergence_gaps", {})[j] = gap_at_divergence(
+            rerun["outputs"][j], rerun["top2_gaps"][j], ref["outputs"][j], k)
     if found:
         gaps = [x["divergence_gaps"][j] for x, _, j, _ in found]
         near, known, differed = count_near_ties(gaps)
@@ -111,6 +118,14 @@ def count_near_ties(gaps: list[float | None]) -> tuple[int, int, int]:
     with a known gap, unknown)."""
     known = [g for g in gaps if g is not None]
     return sum(g <= TIE_GAP for g in known), len(known), len(gaps) - len(known)
+
+
+def near_tie_note(near: int, known: int, unknown: int) -> str:
+    """What a report's identical cell adds in bf16: `` (n/m at near-ties; k unknown)``, the
+    parts that are not empty, or nothing."""
+    notes = ([f"{near}/{known} at near-ties"] if known else []) + \
+        ([f"{unknown} unknown"] if unknown else [])
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def near_tie_counts(records: list[dict]) -> tuple[int, int, int]:

@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Callable
 
 from vllm_ptd.bench.near_ties import (EXPLAINED_DTYPES, TIE_GAP, count_near_ties,
-                                      first_divergence, top2_gaps)
+                                      first_divergence, gap_at_divergence, near_tie_note,
+                                      top2_gaps)
 
 STEP_KINDS = ("decode", "decode+tree", "prefill", "prefill+tree")
 # the engine's host work around its steps: (owner, method) under ``LLM.llm_engine``
@@ -110,18 +111,13 @@ def divergence_gaps(reference: list[list[list[int]]], outputs: list[list[list[in
             if k is None:
                 continue
             again, top2 = rerun(call)
-            same = again[j] == a and k < len(top2[j])
-            gaps.append(top2[j][k] if same else None)
+            gaps.append(gap_at_divergence(again[j], top2[j], a, k))
     return gaps
 
 
 def identical_cell(same: int, total: int, gaps: list[float | None] | None) -> str:
     """``same/total``, and in bf16 how many of the divergences were near-ties."""
-    cell = f"{same}/{total}"
-    if gaps:
-        near, known, unknown = count_near_ties(gaps)
-        cell += f" ({near}/{known} at near-ties" + (f"; {unknown} unknown)" if unknown else ")")
-    return cell
+    return f"{same}/{total}" + near_tie_note(*count_near_ties(gaps or []))
 
 
 def report(labels: list[str], walls: dict[str, list[float]], kinds: dict[str, dict],

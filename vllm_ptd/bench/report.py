@@ -5,7 +5,7 @@ import math
 
 from vllm_ptd.bench.aggregate import ALL
 from vllm_ptd.bench.methods import Method
-from vllm_ptd.bench.near_ties import EXPLAINED_DTYPES, LEGEND
+from vllm_ptd.bench.near_ties import EXPLAINED_DTYPES, LEGEND, near_tie_note
 from vllm_ptd.bench.prompts import token_limit_text
 
 
@@ -28,13 +28,8 @@ def identical_cell(r: dict) -> str:
         return "ref"
     if not r["compared"]:
         return "—"
-    cell = f"{r['identical']}/{r['compared']}"
-    notes = []
-    if r.get("explained"):
-        notes.append(f"{r['near_ties']}/{r['explained']} at near-ties")
-    if r.get("unexplained"):
-        notes.append(f"{r['unexplained']} unknown")
-    return cell + (f" ({'; '.join(notes)})" if notes else "")
+    return f"{r['identical']}/{r['compared']}" + near_tie_note(
+        r.get("near_ties", 0), r.get("explained", 0), r.get("unexplained", 0))
 
 
 def _metric_cells(spec: dict, method_name: str) -> list[str]:
