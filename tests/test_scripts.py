@@ -427,6 +427,32 @@ def test_upkeep_times_phases_and_checks_outputs_against_plain():
     assert "| 1 | none | 4.00 (2.00-6.00) |" in table and "| 7/8 |" in table
 
 
+def test_upkeep_times_the_garbage_collector_and_counts_full_collections():
+    import gc
+
+    from vllm_ptd.bench.upkeep import add_gc_timer, report, summarize
+
+    totals: dict = {}
+    before, enabled = list(gc.callbacks), gc.isenabled()
+    gc.disable()  # only the collections below
+    try:
+        add_gc_timer(totals)
+        cycles = [[] for _ in range(20000)]
+        for c in cycles:
+            c.append(c)  # reference cycles: only the cyclic collector frees them
+        del cycles
+        gc.collect(0)
+        gc.collect()
+    finally:
+        gc.callbacks[:] = before
+        if enabled:
+            gc.enable()
+    assert totals["gc_full"] == 1 and totals["gc"] > 0
+    rec = {"round": 0, "dataset": "a", "chunk": 0, "wall": 1.0, "outputs": [], **totals}
+    table = report([("ptd", summarize([rec], None))])
+    assert f"| {totals['gc']:.2f} ({totals['gc']:.2f}-{totals['gc']:.2f}) (1) |" in table
+
+
 def test_paired_steps_are_timed_and_sorted_by_kind():
     from types import SimpleNamespace
 

@@ -13,6 +13,7 @@ spread.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -27,6 +28,24 @@ CORE_PHASES = {"schedule": ("scheduler", "schedule"),
                "execute": ("model_executor", "execute_model"),
                "sample_tokens": ("model_executor", "sample_tokens")}
 RUNNER_PHASES = ("_prepare_inputs", "propose_draft_token_ids")
+# Python's cyclic garbage collector: its pauses are the process's, whichever engine's objects
+# made them, so engines in one process (``bench_paired``) share them; here each method's own
+GC_KEYS = ("gc", "gc_full")  # seconds in collections; full (generation 2) collections
+
+
+def add_gc_timer(totals: dict) -> None:
+    """Add each collection's wall seconds to ``totals["gc"]`` and count the full ones."""
+    started: list[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            totals["gc"] = totals.get("gc", 0.0) + time.perf_counter() - started.pop()
+            if info.get("generation") == 2:
+                totals["gc_full"] = totals.get("gc_full", 0) + 1
+
+    gc.callbacks.append(on_gc)
 
 
 def add_timer(obj, name: str, key: str, totals: dict) -> None:
@@ -64,7 +83,7 @@ def summarize(records: list[dict], reference: dict | None) -> dict:
     round, and how many outputs equal ``reference`` (``{(dataset, chunk): outputs}`` of
     ``none``: each batch against the same batch of plain decoding)."""
     rounds = sorted({r["round"] for r in records})
-    keys = ["wall", *CORE_PHASES, *RUNNER_PHASES]
+    keys = ["wall", *CORE_PHASES, *RUNNER_PHASES, *GC_KEYS]
     per_round = {k: [sum(r.get(k, 0.0) for r in records if r["round"] == n) for n in rounds]
                  for k in keys}
     out = {k: {"mean": statistics.fmean(v), "min": min(v), "max": max(v)}
@@ -96,6 +115,7 @@ def _child(label: str, spec: dict | None, opts: dict, prompts: dict, out_path: s
     for name in RUNNER_PHASES:
         if hasattr(runner, name):
             add_timer(runner, name, name, totals)
+    add_gc_timer(totals)
     sp = SamplingParams(temperature=0.0, max_tokens=opts["max_tokens"])
 
     def generate(ids):
@@ -125,8 +145,9 @@ def _reference(records: list[dict]) -> dict:
 
 def report(results: list[tuple[str, dict]]) -> str:
     lines = ["| run | method | wall s | execute s | sample_tokens s | of which propose s "
-             "| prepare_inputs s | schedule + update s | identical |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| prepare_inputs s | schedule + update s | garbage collector s (full collections) "
+             "| identical |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
 
     def cell(s, k):
         v = s.get(k)
@@ -135,9 +156,11 @@ def report(results: list[tuple[str, dict]]) -> str:
     for i, (label, s) in enumerate(results):
         su = s.get("schedule", {}).get("mean", 0.0) + s.get("update", {}).get("mean", 0.0)
         ident = f"{s['identical']}/{s['compared']}" if s["compared"] else "ref"
+        full = s.get("gc_full", {}).get("mean", 0.0)
         lines.append(f"| {i + 1} | {label} | {cell(s, 'wall')} | {cell(s, 'execute')} | "
                      f"{cell(s, 'sample_tokens')} | {cell(s, 'propose_draft_token_ids')} | "
-                     f"{cell(s, '_prepare_inputs')} | {su:.2f} | {ident} |")
+                     f"{cell(s, '_prepare_inputs')} | {su:.2f} | {cell(s, 'gc')} ({full:g}) "
+                     f"| {ident} |")
     return "\n".join(lines)
 
 
