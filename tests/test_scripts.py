@@ -427,6 +427,15 @@ def test_upkeep_times_phases_and_checks_outputs_against_plain():
     assert "| 1 | none | 4.00 (2.00-6.00) |" in table and "| 7/8 |" in table
 
 
+def test_engine_env_puts_its_defaults_under_values_already_set():
+    from vllm_ptd.bench.engines import ENGINE_ENV, engine_env
+
+    env = engine_env({"THP_MEM_ALLOC_ENABLE": "0", "OTHER": "x"})
+    assert env["THP_MEM_ALLOC_ENABLE"] == "0" and env["OTHER"] == "x"
+    assert env["VLLM_USE_AOT_COMPILE"] == ENGINE_ENV["VLLM_USE_AOT_COMPILE"] == "0"
+    assert engine_env({})["THP_MEM_ALLOC_ENABLE"] == "1"
+
+
 def test_upkeep_times_the_garbage_collector_and_counts_full_collections():
     import gc
 

@@ -13,7 +13,8 @@ REPO = Path(__file__).resolve().parent.parent.parent
 def host_info() -> dict:
     info = {"cpus": os.cpu_count(), "platform": platform.platform(),
             "python": platform.python_version(), "LD_PRELOAD": os.environ.get("LD_PRELOAD", ""),
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+            "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE")}
     try:
         from importlib import metadata as md
 

@@ -182,9 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # every engine core in this process
+    from vllm_ptd.bench.engines import engine_env, engine_opts, llm_kwargs
+
+    engine_env()  # before torch's first allocation
     import torch
 
-    from vllm_ptd.bench.engines import engine_env, engine_opts, llm_kwargs
     from vllm_ptd.bench.host import host_info
     from vllm_ptd.bench.interleave import prompts_per_call
     from vllm_ptd.bench.methods import parse_method
@@ -193,7 +195,6 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_ptd.model_store import default_model_path
 
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
-    engine_env()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

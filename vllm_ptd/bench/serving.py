@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from vllm_ptd.bench.aggregate import busy_steps, mean_sd, spec_summary
-from vllm_ptd.bench.engines import read_trace, traced
+from vllm_ptd.bench.engines import engine_env, read_trace, traced
 from vllm_ptd.bench.trace_steps import decode_speedup
 from vllm_ptd.bench.host import REPO, host_info, resolve_common_args
 from vllm_ptd.bench.methods import Method, int_list, parse_methods, safe_label
@@ -91,8 +91,7 @@ class Server:
             cmd.append("--enforce-eager")
         if self.method.spec is not None:
             cmd += ["--speculative-config", json.dumps(self.method.spec)]
-        env = dict(os.environ)
-        env.setdefault("VLLM_USE_AOT_COMPILE", "0")  # as in engines.engine_worker
+        env = engine_env(dict(os.environ))
         env.pop("VLLM_PTD_TRACE", None)
         if traced(self.method):
             self.trace_path = str(trace_dir / f"{safe_label(self.label)}.jsonl")

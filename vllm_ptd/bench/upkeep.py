@@ -165,7 +165,7 @@ def report(results: list[tuple[str, dict]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vllm_ptd.bench.engines import engine_opts
+    from vllm_ptd.bench.engines import engine_env, engine_opts
     from vllm_ptd.bench.methods import parse_method, safe_label
     from vllm_ptd.bench.prompts import load_token_prompts
     from vllm_ptd.model_store import default_model_path
@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     # the offline benchmark's engine options, batches of one size
     opts = {**engine_opts(args, args.batch_size), "max_tokens": args.max_tokens,
             "rounds": args.rounds}
+    engine_env()  # inherited by the engine processes, before their torch allocates
     ctx = mp.get_context("spawn")
     runs = []
     for i, m in enumerate(methods):
