@@ -91,7 +91,7 @@ class Server:
             cmd.append("--enforce-eager")
         if self.method.spec is not None:
             cmd += ["--speculative-config", json.dumps(self.method.spec)]
-        env = engine_env(dict(os.environ))
+        env = engine_env(dict(os.environ))  # also for servers started without main()
         env.pop("VLLM_PTD_TRACE", None)
         if traced(self.method):
             self.trace_path = str(trace_dir / f"{safe_label(self.label)}.jsonl")
@@ -467,6 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     resolve_common_args(args)
+    engine_env()  # the servers' environment, and what host_info records
     out = Path(args.out or REPO / "results" / time.strftime("serving-%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
