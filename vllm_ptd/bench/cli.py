@@ -54,7 +54,6 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_ptd.bench.engines import engine_env
 from vllm_ptd.bench.host import REPO, resolve_common_args
 from vllm_ptd.bench.methods import DEFAULT_METHODS, int_list, parse_methods
 from vllm_ptd.bench.offline import replot, run_benchmark
@@ -140,7 +139,6 @@ def main(argv: list[str] | None = None) -> int:
         replot(Path(args.replot), args.row_cost_json)
         return 0
     resolve_common_args(args)
-    engine_env()  # inherited by the engine processes
     if args.out is None:
         args.out = str(REPO / "results" / time.strftime("bench-%Y%m%d-%H%M%S"))
     if args.row_cost:

@@ -203,6 +203,7 @@ class Engine:
         self.conn = None
 
     def start(self) -> None:
+        engine_env()  # a spawned process inherits it before its torch first allocates
         parent, child = self._ctx.Pipe()
         self.proc = self._ctx.Process(
             target=engine_worker, name=f"engine-{safe_label(self.label)}",
