@@ -262,6 +262,11 @@ class DraftTree:
         (``argmax[i]`` for emitted row i; a tree cut short by the scheduler gives fewer)."""
         rows = self._emitted[: len(argmax)]
         self._emitted = []
+        if not rows:
+            # no draft row ran (the budget sent none, or a step without a tree): the
+            # controls below hold already (they held after the last grow and seeding keeps
+            # them), and nothing grows; most steps of a batch of 16 on a CPU are such steps
+            return
         preds: list[tuple[DraftNode, int]] = []
         newest_root_pred = None
         newest_root = self.roots[-1] if self.roots else None
