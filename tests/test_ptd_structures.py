@@ -597,22 +597,39 @@ def _pool_counts(pool: CandidatePool) -> dict:
     return out
 
 
+def _pool_every_key(m: PTDMethod, st) -> bool:
+    """Write every key's noted n-grams into the pool, in the order they were noted."""
+    paths = sorted((stamp, key, start, end) for key in list(st.unpooled._positions)
+                   for stamp, start, end in st.unpooled.take(key, st.pool))
+    for stamp, key, start, end in paths:
+        st.pool.insert_path(key, st.history[start:end], stamp=stamp)
+    return bool(paths)
+
+
 class _PoolsTextAtOnce(PTDMethod):
-    """PTD with the committed text pooled as it comes (what ``_pool_text`` defers)."""
+    """PTD with the committed text pooled as it comes, every key."""
 
     def start(self, req_id, prompt_token_ids, prompt_hidden=None):
         super().start(req_id, prompt_token_ids, prompt_hidden)
-        self._pool_text(self.state(req_id))
+        _pool_every_key(self, self.state(req_id))
 
     def _commit(self, st, tokens):
         super()._commit(st, tokens)
-        self._pool_text(st)
+        _pool_every_key(self, st)
+
+
+class _PoolsEveryKeyWhenItProposes(PTDMethod):
+    """PTD as it was before ``PendingNgrams``: a proposal wrote the n-grams of every key
+    committed since the last one, not only those of the key it reads."""
+
+    def _pool_text(self, st, key):
+        return _pool_every_key(self, st)
 
 
 def test_ptd_pools_committed_text_only_when_it_proposes():
     """A request that sends no tree pays nothing for its text's n-grams and keeps its text
-    whole; when it proposes again its pool holds what pooling the text as it came would
-    have put there."""
+    whole; when it proposes again, the key it reads holds what pooling the text as it came
+    would have put there, and the keys it does not read are still not written."""
     from vllm_ptd.method import StepOutcome
 
     rng = random.Random(3)
@@ -636,11 +653,61 @@ def test_ptd_pools_committed_text_only_when_it_proposes():
     assert paused.state("r").history == every.state("r").history
     # nothing of the text pooled (a merged seed subtree at most)
     assert paused.state("r").pool.total < 5 < at_once.state("r").pool.total
-    assert len(paused.state("r").unpooled) > 0
+    pending = len(paused.state("r").unpooled)
+    assert pending > 0
     a, b = at_once.propose(["r"], [last])[0], paused.propose(["r"], [last])[0]
-    assert _pool_counts(paused.state("r").pool) == _pool_counts(at_once.state("r").pool)
-    assert len(paused.state("r").unpooled) == 0
-    assert (a.tokens, a.parents) == (b.tokens, b.parents)
+    key_counts = [{p: c for p, c in _pool_counts(m.state("r").pool).items() if p[0] == last}
+                  for m in (at_once, paused)]
+    assert key_counts[0] and key_counts[0] == key_counts[1]
+    # the keys it did not read hold at most a merged seed subtree
+    assert paused.state("r").pool.total - len(key_counts[1]) < 5
+    assert 0 < len(paused.state("r").unpooled) < pending  # the other keys wait
+    assert (a.tokens, a.parents, a.scores) == (b.tokens, b.parents, b.scores)
+
+
+@pytest.mark.parametrize("key_cap", [100_000, 60])
+def test_ptd_reading_one_key_proposes_what_writing_every_key_did(key_cap):
+    """PTD decoding ``fake_next`` with trees, a cut tree and a paused step now and then:
+    writing only the key a proposal reads proposes, step for step, the trees that writing
+    every key's n-grams at each proposal did, the same counts, recency and scores (with a
+    key's cap in reach, which branch a full key evicts may differ: nearly every tree is
+    still the same)."""
+    cfg = PTDConfig(pool_key_nodes=key_cap).resolved("cpu")
+    new, old = PTDMethod(cfg, [EOS]), _PoolsEveryKeyWhenItProposes(cfg, [EOS])
+    rng = random.Random(11)
+    same = steps = 0
+    for r in range(4):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(20, 120))]
+        seq = list(prompt) + [fake_next(prompt)]
+        for m in (new, old):
+            m.start(f"r{r}", list(prompt))
+        while len(seq) - len(prompt) < 150:
+            if rng.random() < 0.25:  # the budget sends no tree this step
+                for m in (new, old):
+                    m.skip([f"r{r}"], [seq[-1]])
+                tree = FlatTree()
+            else:
+                a, b = (m.propose([f"r{r}"], [seq[-1]])[0] for m in (new, old))
+                steps += 1
+                same += (a.tokens, a.parents, a.scores, a.groups) == \
+                    (b.tokens, b.parents, b.scores, b.groups)
+                if key_cap > 1000:
+                    assert (a.tokens, a.parents, a.scores, a.groups) == \
+                        (b.tokens, b.parents, b.scores, b.groups), len(seq)
+                tree = a if rng.random() < 0.8 else a.truncated(rng.randint(0, a.num_nodes))
+            argmax = [fake_next(seq + (tree.tokens[: i + 1] if i >= tree.causal_from else
+                                       [tree.tokens[j] for j in tree.path_to(i)]))
+                      for i in range(tree.num_nodes)]
+            root = fake_next(seq)
+            acc, com = greedy_walk(tree, root, argmax)
+            seq += com
+            for m in (new, old):
+                m.observe([f"r{r}"], [StepOutcome(tree, root, argmax, acc, com)])
+        for m in (new, old):
+            m.state(f"r{r}").pool.check()
+            m.finish(f"r{r}")
+    assert steps > 250
+    assert same >= 0.9 * steps, (same, steps)
 
 
 def test_pool_shrink_frees_oldest_keys():

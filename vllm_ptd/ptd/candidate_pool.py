@@ -67,6 +67,9 @@ class CandidatePool:
         self._tail = array("q")   # last child (appending keeps siblings in insertion order)
         self._next = array("q")   # next sibling, -1 none
         self._src = array("b")    # FROM_DRAFT | FROM_TEXT bits
+        # the clock of the node's first visit: siblings in order of birth are siblings in
+        # the order a pool written as the text came would have linked them
+        self._born = array("q")
         self._free: list[int] = []
         self._edges: dict[int, int] = {}
         self._keys: dict[int, int] = {}      # key token -> root id; order = least recent first
@@ -83,6 +86,7 @@ class CandidatePool:
             self._last[n] = self.clock
             self._first[n] = self._tail[n] = self._next[n] = _NONE
             self._src[n] = 0
+            self._born[n] = self.clock
             return n
         n = len(self._tok)
         self._tok.append(token)
@@ -92,6 +96,7 @@ class CandidatePool:
         self._tail.append(_NONE)
         self._next.append(_NONE)
         self._src.append(0)
+        self._born.append(self.clock)
         return n
 
     def _link(self, parent: int, token: int) -> int:
@@ -185,8 +190,9 @@ class CandidatePool:
         self.clock += 1
 
     # ------------------------------------------------------------------ capacity
-    def _touch_key(self, key: int) -> int:
-        self.clock += 1
+    def _touch_key(self, key: int, advance: bool = True) -> int:
+        if advance:
+            self.clock += 1
         root = self._keys.pop(key, _NONE)
         if root == _NONE:
             root = self._alloc(key)
@@ -232,12 +238,13 @@ class CandidatePool:
         del self._key_size[key]
 
     def _child(self, key: int, root: int, parent: int, token: int, branch: int,
-               bump: bool, src: int = FROM_TEXT) -> int:
+               bump: bool, src: int = FROM_TEXT, stamp: int | None = None) -> int:
         """Child ``token`` of ``parent`` in ``key``, created if missing and the caps allow
         (-1 if refused). ``branch``: the first-level token this node lives under (never
-        evicted here)."""
+        evicted here). ``stamp``: the visit's clock, if not now (``insert_path``)."""
         node = self._edges.get((parent << _SHIFT) | token, _NONE)
-        if node == _NONE:
+        created = node == _NONE
+        if created:
             cap = self.key_max_nodes
             while self._key_size[key] >= cap:
                 if not self._evict_branch(key, root, branch):
@@ -250,8 +257,13 @@ class CandidatePool:
             self.total += 1
         if bump:
             self._cnt[node] += 1
-            self._last[node] = self.clock
             self._src[node] |= src
+            if stamp is None:
+                self._last[node] = self.clock
+            else:
+                self._last[node] = stamp if created else max(self._last[node], stamp)
+        if stamp is not None and self._born[node] > stamp:
+            self._born[node] = stamp
         return node
 
     def _drop_if_empty(self, key: int, root: int) -> None:
@@ -293,27 +305,45 @@ class CandidatePool:
                     stack.append((got, c))
         self._drop_if_empty(key, root)
 
-    def insert_path(self, key: int, tokens: Sequence[int]) -> None:
-        """Insert the chain ``key -> tokens[0] -> tokens[1] ...`` (counts + 1 along it)."""
+    def insert_path(self, key: int, tokens: Sequence[int], stamp: int | None = None) -> None:
+        """Insert the chain ``key -> tokens[0] -> tokens[1] ...`` (counts + 1 along it).
+
+        ``stamp``: a clock value reserved earlier (``reserve_stamps``) for a write done
+        now: the nodes get the recency that writing then would have given them, and the
+        clock does not move. Why: PTD notes its text's n-grams as they are committed but
+        writes a key's only when the key is looked up, and which candidate wins a tie, or
+        which branch a full key evicts, must not depend on when that happened."""
         if not len(tokens):
             return
-        root = self._touch_key(key)
+        root = self._touch_key(key, advance=stamp is None)
         branch = int(tokens[0])
-        node = self._child(key, root, root, branch, branch, True)
+        node = self._child(key, root, root, branch, branch, True, stamp=stamp)
         if node != _NONE:
-            edges, cnt, last, clock, srcs = self._edges, self._cnt, self._last, self.clock, self._src
+            edges, cnt, last, srcs, born = (self._edges, self._cnt, self._last, self._src,
+                                            self._born)
+            now = self.clock if stamp is None else stamp
             for t in tokens[1:]:
                 nxt = edges.get((node << _SHIFT) | t, _NONE)
                 if nxt == _NONE:  # slow path: a new node, caps apply
-                    nxt = self._child(key, root, node, int(t), branch, True)
+                    nxt = self._child(key, root, node, int(t), branch, True, stamp=stamp)
                     if nxt == _NONE:
                         break
                 else:
                     cnt[nxt] += 1
-                    last[nxt] = clock
+                    if last[nxt] < now:
+                        last[nxt] = now
+                    if born[nxt] > now:
+                        born[nxt] = now
                     srcs[nxt] |= FROM_TEXT
                 node = nxt
         self._drop_if_empty(key, root)
+
+    def reserve_stamps(self, count: int) -> int:
+        """Advance the clock past ``count`` writes to be done later with ``stamp``; returns
+        the first of their stamps (the clock the first of them would have had now)."""
+        first = self.clock + 1
+        self.clock += count
+        return first
 
     def insert_ngrams(self, tokens: Sequence[int], n: int, start: int = 0) -> None:
         """For every position i >= ``start``: key tokens[i], chain tokens[i+1 : i+n] (n-grams
@@ -368,22 +398,26 @@ class CandidatePool:
         return self._keys.get(key, _NONE)
 
     def children_shares(self, node: int) -> list[tuple[int, int, float, int]]:
-        """(token, child id, share, source bits) of a node's children, in sibling order. The
-        share is the retrieval estimate of the child given the node: its visit count's share
-        of its siblings' (+1 smoothing)."""
+        """(token, child id, share, source bits) of a node's children, oldest first (by
+        their first visit's clock, ``_born``: the same order whether the text's n-grams were
+        written as they came or later, with their stamps). The share is the retrieval
+        estimate of the child given the node: its visit count's share of its siblings'
+        (+1 smoothing)."""
         kids, total = [], 0
         c = self._first[node]
         while c != _NONE:
             kids.append(c)
             total += self._cnt[c]
             c = self._next[c]
+        kids.sort(key=self._born.__getitem__)
         denom = total + len(kids)
         return [(self._tok[c], c, (self._cnt[c] + 1) / denom, self._src[c]) for c in kids]
 
     def nbytes(self) -> int:
         """About how much memory the pool holds: its arrays plus the edge and key dicts."""
         arrays = sum(a.itemsize * len(a) for a in (self._tok, self._cnt, self._last, self._first,
-                                                    self._tail, self._next, self._src))
+                                                    self._tail, self._next, self._src,
+                                                    self._born))
         return arrays + 100 * (len(self._edges) + len(self._keys)) + 8 * len(self._free)
 
     def retrieve(self, last_token: int, budget: int) -> FlatTree:

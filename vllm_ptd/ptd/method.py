@@ -8,9 +8,10 @@ Each step's proposal is ``[candidate tree from pool[last token]] + [draft rows]`
   2. merges every draft subtree into the pool under its root token (recursive union M);
   3. extends the verified candidate tree with the target's argmax at each node;
   4. notes the committed tokens, whose n-grams (``pool_from_prompt``/``pool_from_output``)
-     reach the pool at the request's next proposal: a request that sends no tree (the
-     budget pauses drafting, or the batch is past ``disable_by_batch_size``) never pays for
-     them, which is most of what PTD costs a step of 16 requests that draft nothing.
+     reach ``pool[key]`` when a proposal next reads that key (``PendingNgrams``): a
+     request that sends no tree (the budget pauses drafting, or the batch is past
+     ``disable_by_batch_size``) never pays for them, nor a proposal for the keys it does
+     not read, which was most of what PTD cost a step of 16 requests that draft nothing.
 
 Costs per request and step are bounded by the tree budgets, the draft depth and the per-key
 trie cap; nothing walks the whole pool (capacity eviction is LRU in O(1) per evicted item).
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import random
 import zlib
-from array import array
 from typing import Callable, Sequence
 
 from vllm_ptd.method import StepOutcome, TreeMethod
@@ -28,6 +28,7 @@ from vllm_ptd.ptd.candidates import build_candidates
 from vllm_ptd.ptd.config import PTDConfig
 from vllm_ptd.ptd.draft_tree import DraftTree
 from vllm_ptd.ptd.history import TextHistory
+from vllm_ptd.ptd.pending_ngrams import PendingNgrams
 from vllm_ptd.ptd.seeding import Seeding, make_seeding
 from vllm_ptd.ptd.suffix_index import SuffixIndex
 from vllm_ptd.tree import FlatTree
@@ -48,7 +49,8 @@ class PTDRequest:
                  "expected_last", "steps", "seen", "unpooled")
 
     def __init__(self, req_id: str, draft: DraftTree, pool: CandidatePool,
-                 rng: random.Random, text: SuffixIndex, prompt_len: int) -> None:
+                 rng: random.Random, text: SuffixIndex, prompt_len: int,
+                 unpooled: PendingNgrams) -> None:
         self.req_id = req_id
         self.draft = draft
         self.pool = pool
@@ -60,10 +62,8 @@ class PTDRequest:
         self.expected_last: int | None = None  # last committed token seen by observe
         self.steps = 0
         self.seen = 0  # the method's step counter when this request last decoded
-        # (start, end) of each text span committed since the last proposal whose n-grams
-        # are not in the pool yet, flattened; spans keep their commit boundaries because an
-        # n-gram cut at a boundary is inserted once per commit that reaches it
-        self.unpooled = array("q")
+        # the committed text's n-grams not in the pool yet
+        self.unpooled = unpooled
 
     @property
     def history(self) -> list[int]:
@@ -71,7 +71,7 @@ class PTDRequest:
 
     def nbytes(self) -> int:
         return (self.pool.nbytes() + self.text.nbytes() + 200 * self.draft.num_nodes
-                + self.unpooled.itemsize * len(self.unpooled))
+                + self.unpooled.nbytes())
 
 
 def _prompt_bytes(prompt: list[int]) -> bytes:
@@ -126,10 +126,11 @@ class PTDMethod(TreeMethod[PTDRequest]):
         pool = CandidatePool(c.pool_key_nodes, c.pool_max_nodes)
         text = SuffixIndex(c.max_match, c.min_match)
         text.extend(prompt)
+        first_key = 0 if c.pool_from_prompt else max(0, len(prompt) - 1)
         st = PTDRequest(req_id, draft, pool, random.Random(request_seed(c.seed, prompt)), text,
-                        len(prompt))
+                        len(prompt), PendingNgrams(self.ngram, first_key))
         if c.pool_from_prompt:
-            st.unpooled.extend((0, len(prompt)))
+            st.unpooled.note(st.history, 0, len(prompt))
         self._refill(st)
         self._requests[req_id] = st
         st.seen = self._clock
@@ -157,23 +158,17 @@ class PTDMethod(TreeMethod[PTDRequest]):
         old = len(st.history)
         st.text.extend(tokens)
         if self.config.pool_from_output:
-            st.unpooled.extend((old, len(st.history)))
+            st.unpooled.note(st.history, old, len(st.history))
 
-    def _pool_text(self, st: PTDRequest) -> bool:
-        """Insert the n-grams of the text spans committed since the last proposal, as each
-        commit would have: every key position whose n-gram window reaches into the span,
-        the window cut at the span's end. Returns whether anything was due."""
-        spans = st.unpooled
-        if not spans:
-            return False
-        h, n, pool = st.history, self.ngram, st.pool
-        first_key = 0 if self.config.pool_from_prompt else max(0, st.prompt_len - 1)
-        for k in range(0, len(spans), 2):
-            old, new = spans[k], spans[k + 1]
-            for i in range(max(first_key, old - n + 1), new - 1):
-                pool.insert_path(h[i], h[i + 1: min(i + n, new)])
-        del spans[:]
-        return True
+    def _pool_text(self, st: PTDRequest, key: int) -> bool:
+        """Write the n-grams of ``key`` committed since it was last read into the pool, with
+        the recency they would have had if written at the first proposal after their
+        commit (``PendingNgrams``). Returns whether anything was due."""
+        paths = st.unpooled.take(key, st.pool)
+        h, pool = st.history, st.pool
+        for stamp, start, end in paths:
+            pool.insert_path(key, h[start:end], stamp=stamp)
+        return bool(paths)
 
     # ------------------------------------------------------------------ steps
     @property
@@ -205,7 +200,7 @@ class PTDMethod(TreeMethod[PTDRequest]):
         pooled = False
         for st, last in zip(states, last_tokens):
             self._take_last(st, int(last))
-            pooled |= self._pool_text(st)
+            pooled |= self._pool_text(st, int(last))
         if pooled:
             self._bound_pools()
         for st, last in zip(states, last_tokens):
