@@ -219,6 +219,7 @@ def test_trace_steps_groups_by_batch_and_trees():
     assert set(g) == {(16, False), (16, True), (1, False)}
     assert g[(16, True)]["steps"] == 2 and g[(16, True)]["rows"] == 22
     assert g[(16, True)]["verify"] == 7.0 and g[(16, True)]["host"] == 140.0 - 115.0 - 1.0
+    assert g[(16, True)]["drafting"] == 1.0
     assert g[(16, False)]["steps"] == 1
     assert g[(16, True)]["busy_s"] == pytest.approx(0.28) and g[(16, True)]["accepted"] == 5
     assert g[(1, False)]["busy_s"] == pytest.approx(0.05)  # the idle step is not busy time

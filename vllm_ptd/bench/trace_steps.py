@@ -29,10 +29,11 @@ def step_records(lines) -> list[dict]:
 
 
 def step_groups(lines, requests: int | None = None) -> dict[tuple[int, bool], dict]:
-    """``{(requests, with trees): {"steps", "rows", "wall", "forward", "verify", "host",
-    "busy_s", "accepted"}}``: means per step, but for busy_s (the group's summed wall, in
-    seconds) and accepted (its accepted nodes, summed); host = wall - forward - drafting
-    (vLLM's and the proposer's host work)."""
+    """``{(requests, with trees): {"steps", "rows", "wall", "forward", "verify", "drafting",
+    "host", "busy_s", "accepted"}}``: means per step, but for busy_s (the group's summed
+    wall, in seconds) and accepted (its accepted nodes, summed); drafting = the method's
+    ``observe`` and ``propose`` (the proposer's step clock); host = wall - forward -
+    drafting (vLLM's and the proposer's host work)."""
     records = step_records(lines)
     groups: dict[tuple[int, bool], list[dict]] = defaultdict(list)
     for s in busy_steps(records):
@@ -47,6 +48,7 @@ def step_groups(lines, requests: int | None = None) -> dict[tuple[int, bool], di
 
         out[key] = {"steps": n, "rows": mean("rows"), "wall": mean("wall_ms"),
                     "forward": mean("forward_ms"), "verify": mean("verify_ms"),
+                    "drafting": mean("drafting_ms"),
                     "host": mean("wall_ms") - mean("forward_ms") - mean("drafting_ms"),
                     "busy_s": sum(s["wall_ms"] for s in steps) / 1000,
                     "accepted": sum(s.get("accepted", 0) for s in steps)}
@@ -252,12 +254,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     groups = step_groups(lines, args.requests)
     busy = sum(g["busy_s"] for g in groups.values()) or 1.0
-    print("| requests | trees | steps | rows | wall ms | forward ms | verification ms | host ms "
-          "| busy s | share of busy | accepted |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| requests | trees | steps | rows | wall ms | forward ms | verification ms "
+          "| drafting ms | host ms | busy s | share of busy | accepted |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (req, trees), g in groups.items():
         print(f"| {req} | {'yes' if trees else 'no'} | {g['steps']} | {g['rows']:.1f} | "
-              f"{g['wall']:.1f} | {g['forward']:.1f} | {g['verify']:.1f} | {g['host']:.1f} | "
+              f"{g['wall']:.1f} | {g['forward']:.1f} | {g['verify']:.1f} | "
+              f"{g['drafting']:.2f} | {g['host']:.1f} | "
               f"{g['busy_s']:.1f} | {g['busy_s'] / busy:.1%} | {g['accepted']} |")
     return 0
 
