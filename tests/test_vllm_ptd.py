@@ -13,11 +13,13 @@ from __future__ import annotations
 import math
 
 import pytest
+from engine_utils import check_two_turns
 from engine_utils import counters as _counters
 from engine_utils import flush as _flush
 from engine_utils import in_process_engines
 from engine_utils import proposer as _proposer
 from engine_utils import shutdown as _shutdown
+from engine_utils import two_turns
 
 pytest.importorskip("vllm")
 
@@ -43,6 +45,7 @@ SMALL_BLOCKS = 7      # 224 tokens: vLLM wants max_model_len + 24 lookahead slot
                       # of ~90 tokens + their trees need 12 blocks
 PREEMPT_PROMPTS = 3
 PREEMPT_TOKENS = 32
+TURN2_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +74,12 @@ def work(tokenizer):
     preempt = [chat_prompt_ids(tokenizer, p.text)
                for p in load_prompts("mbpp", 4 + PREEMPT_PROMPTS)[4:]]
     assert all(len(p) + PREEMPT_TOKENS < CONTEXT_LEN for p in preempt)
+    # two-turn conversations (engine_utils.two_turns) on prompts no other test sends
+    turns = [chat_prompt_ids(tokenizer, load_prompts(name, i + 1)[i].text)
+             for name, i in (("mt_bench", 4), ("gsm8k", 4), ("mbpp", 4 + PREEMPT_PROMPTS))]
+    follow_up = tokenizer("\nNow say that again, shorter.").input_ids
     return dict(mixed=mixed, mixed_max=mixed_max, code=code, near_end=near_end,
-                preempt=preempt)
+                preempt=preempt, turns=turns, follow_up=follow_up)
 
 
 def _plain_jobs(work):
@@ -97,6 +104,24 @@ def _generate_traced(llm, engine_env, prompts, params):
     trace = engine_env.since_mark()
     _flush(llm)
     return outs, trace
+
+
+def _stopped_requests(llm, work, plain_outputs) -> list[tuple]:
+    """Requests that end on a stop token id or a stop string found in the middle of their
+    plain-decoding output (a tree step commits past them: vLLM must cut the output there);
+    per request: token ids, text, finish and stop reason."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    by_token, by_text = plain_outputs[("mixed", 0)], plain_outputs[("mixed", 5)]
+    stop_text = llm.get_tokenizer().decode(by_text[10:12]).strip()
+    assert stop_text, by_text[10:12]
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in (work["mixed"][0], work["mixed"][5])],
+        [SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[by_token[12]]),
+         SamplingParams(temperature=0, max_tokens=40, stop=[stop_text])], use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason,
+             o.outputs[0].stop_reason) for o in outs]
 
 
 def _edited_params(banned_word: str):
@@ -132,6 +157,8 @@ def plain(engine_env, model_path, work):
                               _edited_params(got["banned"]), use_tqdm=False)
         got[("bad_word", 0)], got[("penalty", 0)] = [list(o.outputs[0].token_ids)
                                                      for o in edited]
+        got["turns"] = two_turns(llm, work["turns"], work["follow_up"], TURN2_TOKENS)
+        got["stopped"] = _stopped_requests(llm, work, got)
         return got
     finally:
         _shutdown(llm)
@@ -208,6 +235,44 @@ class TestPTD:
             assert g == plain[("mixed", i)], f"prompt {i}: PTD output differs from plain decoding"
             assert len(g) == work["mixed_max"][i] or g[-1] in _proposer(llm).method.eos_token_ids
         assert trace and sum(t["accepted"] for t in trace) > 0, "no tree token was ever accepted"
+        assert _proposer(llm).num_tracked() == 0
+
+    def test_stops_equal_plain(self, llm, plain, work):
+        """Stop token ids and stop strings met inside an accepted path cut the output where
+        plain decoding's ends."""
+        want = plain["stopped"]
+        assert [w[2] for w in want] == ["stop", "stop"], want
+        assert _stopped_requests(llm, work, plain) == want
+        _flush(llm)
+        assert _proposer(llm).num_tracked() == 0
+
+    def test_parallel_sampling_reproducible(self, llm, engine_env, work):
+        """n=2 (vLLM's parallel sampling: two child requests of one prompt), seeded: two
+        outputs, the same in a second run, trees walked, no state left behind."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, n=2,
+                                max_tokens=SAMPLE_TOKENS)
+        runs = []
+        engine_env.mark()
+        for _ in range(2):
+            out = llm.generate([TokensPrompt(prompt_token_ids=work["code"][1])], params,
+                               use_tqdm=False)[0]
+            runs.append([list(c.token_ids) for c in out.outputs])
+        walked = [t for t in engine_env.since_mark() if t["verify"] > 0]
+        _flush(llm)
+        assert len(runs[0]) == 2 and all(len(t) == SAMPLE_TOKENS for t in runs[0])
+        assert runs[0] == runs[1], "seeded parallel sampling with PTD is not reproducible"
+        assert walked, "no candidate tree was verified"
+        assert _proposer(llm).num_tracked() == 0
+
+    def test_second_turn_on_cached_blocks_equals_plain(self, llm, plain, work):
+        """A second turn reads the first from vLLM's prefix cache, including blocks that
+        hold first-turn answer tokens whose K/V came from PTD's tree-row moves."""
+        got = two_turns(llm, work["turns"], work["follow_up"], TURN2_TOKENS)
+        check_two_turns(got, plain["turns"], work["turns"], prefix_cache=True)
+        _flush(llm)
         assert _proposer(llm).num_tracked() == 0
 
     def test_vllm_spec_decode_counters_match_trace(self, batch_run):
