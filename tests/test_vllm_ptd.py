@@ -124,6 +124,32 @@ def _stopped_requests(llm, work, plain_outputs) -> list[tuple]:
              o.outputs[0].stop_reason) for o in outs]
 
 
+JSON_SCHEMA = {"type": "object", "required": ["name", "age"],
+               "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+
+
+def _structured_batch(llm, tokenizer, work) -> list[list[int]]:
+    """One request held to a JSON schema (vLLM's structured outputs: it decodes without a
+    tree, its logits masked by the grammar) in a batch with two requests that send trees."""
+    import json
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from vllm_ptd.datasets import chat_prompt_ids
+
+    asked = chat_prompt_ids(tokenizer, "Give a JSON object with a name and an age for a "
+                                       "fictional person.")
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in (asked, work["mixed"][1], work["mixed"][2])],
+        [SamplingParams(temperature=0, max_tokens=48,
+                        structured_outputs=StructuredOutputsParams(json=JSON_SCHEMA))]
+        + [SamplingParams(temperature=0, max_tokens=32)] * 2, use_tqdm=False)
+    assert set(json.loads(outs[0].outputs[0].text)) == {"name", "age"}, outs[0].outputs[0].text
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 def _edited_params(banned_word: str):
     # (vLLM refuses logit_bias and min_p with speculative decoding)
     from vllm import SamplingParams
@@ -133,7 +159,7 @@ def _edited_params(banned_word: str):
 
 
 @pytest.fixture(scope="module")
-def plain(engine_env, model_path, work):
+def plain(engine_env, model_path, tokenizer, work):
     """Greedy plain-decoding outputs of every baseline, from one engine (then shut down)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -159,6 +185,7 @@ def plain(engine_env, model_path, work):
                                                      for o in edited]
         got["turns"] = two_turns(llm, work["turns"], work["follow_up"], TURN2_TOKENS)
         got["stopped"] = _stopped_requests(llm, work, got)
+        got["structured"] = _structured_batch(llm, tokenizer, work)
         return got
     finally:
         _shutdown(llm)
@@ -243,6 +270,11 @@ class TestPTD:
         want = plain["stopped"]
         assert [w[2] for w in want] == ["stop", "stop"], want
         assert _stopped_requests(llm, work, plain) == want
+        _flush(llm)
+        assert _proposer(llm).num_tracked() == 0
+
+    def test_structured_output_beside_trees_equals_plain(self, llm, plain, tokenizer, work):
+        assert _structured_batch(llm, tokenizer, work) == plain["structured"]
         _flush(llm)
         assert _proposer(llm).num_tracked() == 0
 
