@@ -1,6 +1,7 @@
 """PTD inside vLLM (issue 3): lossless greedy output, vLLM's spec-decode counters, per-step
-agreement with the reference engine, seeded sampling, aborts, the context end, config errors
-and preemption.
+agreement with the reference engine, seeded and parallel sampling, aborts, the context end,
+config errors, preemption, second turns read from the prefix cache, stop token ids and
+strings, and a structured-output request beside requests with trees.
 
 Engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the tests can reach
 the runner's ``TreeProposer``. Three engines start, one at a time: plain decoding (every
@@ -108,7 +109,8 @@ def _generate_traced(llm, engine_env, prompts, params):
 
 def _stopped_requests(llm, work, plain_outputs) -> list[tuple]:
     """Requests that end on a stop token id or a stop string found in the middle of their
-    plain-decoding output (a tree step commits past them: vLLM must cut the output there);
+    plain-decoding output (a tree step may commit past them: vLLM must cut the output
+    there);
     per request: token ids, text, finish and stop reason."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
