@@ -46,12 +46,12 @@ def step_groups(lines, requests: int | None = None) -> dict[tuple[int, bool], di
         def mean(k: str) -> float:
             return sum(s[k] for s in steps) / n
 
-        out[key] = {"steps": n, "rows": mean("rows"), "wall": mean("wall_ms"),
-                    "forward": mean("forward_ms"), "verify": mean("verify_ms"),
-                    "drafting": mean("drafting_ms"),
-                    "host": mean("wall_ms") - mean("forward_ms") - mean("drafting_ms"),
-                    "busy_s": sum(s["wall_ms"] for s in steps) / 1000,
-                    "accepted": sum(s.get("accepted", 0) for s in steps)}
+        g = out[key] = {"steps": n, "rows": mean("rows"), "wall": mean("wall_ms"),
+                        "forward": mean("forward_ms"), "verify": mean("verify_ms"),
+                        "drafting": mean("drafting_ms"),
+                        "busy_s": sum(s["wall_ms"] for s in steps) / 1000,
+                        "accepted": sum(s.get("accepted", 0) for s in steps)}
+        g["host"] = g["wall"] - g["forward"] - g["drafting"]
     return out
 
 
