@@ -266,6 +266,24 @@ def test_trace_request_ratios_group_trees_by_their_requests_earlier_outcomes():
     assert sum(b["trees"] for b in bins.values()) == 9
 
 
+def test_trace_share_floors_leave_out_the_trees_expected_to_bring_least():
+    """Leaving out the trees expected below a floor drops their offered nodes and the
+    tokens they brought; trees without verify nodes (draft rows only) never count."""
+    from vllm_ptd.bench.trace_steps import share_floors
+
+    req = lambda exp, ver, acc: json.dumps({"req": "a", "expected": exp, "verify": ver,  # noqa: E731
+                                            "accepted": acc})
+    lines = [req(0.2, 4, 0), req(0.4, 4, 1), req(2.0, 4, 3), req(0.0, 0, 0),
+             json.dumps({"step": {"requests": 1}})]
+    rows = share_floors(lines, [0.3, 1.0, 5.0])
+    assert [r["floor"] for r in rows] == [0.0, 0.3, 1.0, 5.0]
+    assert (rows[0]["trees_left_out"], rows[0]["accepted_lost"], rows[0]["share"]) == (0, 0, 4 / 12)
+    assert (rows[1]["trees_left_out"], rows[1]["accepted_lost"], rows[1]["share"]) == (1, 0, 4 / 8)
+    assert (rows[2]["trees_left_out"], rows[2]["accepted_lost"], rows[2]["share"]) == (2, 1, 3 / 4)
+    assert rows[2]["accepted_lost_share"] == pytest.approx(0.25)
+    assert rows[3]["share"] is None and rows[3]["accepted_lost"] == 4
+
+
 def test_trace_outcomes_set_the_budget_against_what_its_tree_steps_did():
     from vllm_ptd.bench.trace_steps import budget_outcomes
 

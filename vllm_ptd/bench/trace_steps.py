@@ -4,12 +4,15 @@ the engine's waits between calls left out, ``aggregate.busy_steps``); and how th
 came out on its decode-only tree steps, and what decoding gained over the engine's own plain
 steps with drafting counted (``budget_outcomes``, ``decode_speedup``); and how the trees of
 requests whose earlier trees had brought more or less than expected came out
-(``request_ratio_buckets``).
+(``request_ratio_buckets``); and what the share of offered nodes that were accepted would
+have been had the trees expected to bring fewer tokens than a floor not been sent, and the
+accepted tokens that would have cost (``share_floors``).
 
   python -m vllm_ptd.bench.trace_steps results/bs4_16/traces/ptd.jsonl [--requests 16]
   python -m vllm_ptd.bench.trace_steps results/serving/traces/ptd.jsonl --outcomes --min-requests 4
   python -m vllm_ptd.bench.trace_steps results/bs4/traces/pctree.jsonl --tries
   python -m vllm_ptd.bench.trace_steps results/b1/traces/ptd.jsonl --request-ratios
+  python -m vllm_ptd.bench.trace_steps results/b1/traces/ptd.jsonl --share-floors 0.5,1
 """
 from __future__ import annotations
 
@@ -214,6 +217,29 @@ def request_ratio_buckets(lines, prior: float = AcceptanceModel.REQUEST_PRIOR,
     return dict(sorted(bins.items()))
 
 
+def share_floors(lines, floors: list[float]) -> list[dict]:
+    """The trees of a trace (request records with verify nodes) against floors on their
+    expected tokens (the records' ``expected``, the budget's estimate when it sent them):
+    for each floor, the trees below it, the accepted tokens they brought, and accepted over
+    offered (verify) nodes of the trees at or above it. What the accepted share would have
+    been had the budget not sent the trees below the floor, and the tokens that would have
+    cost, as a ceiling read from one run: the later steps are taken as they were."""
+    trees = [json.loads(line) for line in lines if line.startswith('{"req"')]
+    trees = [(r.get("expected", 0.0), r["verify"], r["accepted"]) for r in trees
+             if r.get("verify", 0) > 0]
+    accepted = sum(t[2] for t in trees)
+    out = []
+    for floor in [0.0, *floors]:
+        kept = [t for t in trees if t[0] >= floor]
+        offered_kept = sum(t[1] for t in kept)
+        accepted_kept = sum(t[2] for t in kept)
+        out.append({"floor": floor, "trees_left_out": len(trees) - len(kept),
+                    "accepted_lost": accepted - accepted_kept,
+                    "accepted_lost_share": (accepted - accepted_kept) / accepted if accepted else 0.0,
+                    "share": accepted_kept / offered_kept if offered_kept else None})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", help="a VLLM_PTD_TRACE file (.jsonl or .jsonl.gz)")
@@ -227,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
                          "batch size")
     ap.add_argument("--request-ratios", action="store_true",
                     help="trees grouped by their request's earlier accepted over expected tokens")
+    ap.add_argument("--share-floors", default=None, metavar="X,Y,...",
+                    help="accepted over offered nodes had the trees expected to bring fewer "
+                         "tokens than each floor not been sent, and the accepted tokens lost")
     args = ap.parse_args(argv)
     opener = gzip.open if args.trace.endswith(".gz") else open
     with opener(args.trace, "rt") as f:
@@ -241,6 +270,15 @@ def main(argv: list[str] | None = None) -> int:
                                 for k in ("median_depth", "median_branching"))
             print(f"| {req} | {t['tries']} | {t['followed_by_trees']} | {t['median_ms']:.1f} | "
                   f"{t['total_s']:.1f} | {depth} | {branching} |")
+        return 0
+    if args.share_floors:
+        print("| trees left out: expected tokens below | trees left out | accepted tokens lost "
+              "| accepted / offered of the rest |")
+        print("|---|---|---|---|")
+        for r in share_floors(lines, [float(x) for x in args.share_floors.split(",")]):
+            share = "—" if r["share"] is None else f"{r['share']:.0%}"
+            print(f"| {r['floor']:g} | {r['trees_left_out']} | {r['accepted_lost']} "
+                  f"({r['accepted_lost_share']:.0%}) | {share} |")
         return 0
     if args.request_ratios:
         print("| request's ratio before the tree | trees | expected | accepted | accepted / expected |")
