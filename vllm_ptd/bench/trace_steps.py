@@ -31,6 +31,11 @@ def step_records(lines) -> list[dict]:
     return [json.loads(line)["step"] for line in lines if line.startswith('{"step"')]
 
 
+def request_records(lines) -> list[dict]:
+    """The request records of a trace's lines (one per request and tree step), in order."""
+    return [json.loads(line) for line in lines if line.startswith('{"req"')]
+
+
 def step_groups(lines, requests: int | None = None) -> dict[tuple[int, bool], dict]:
     """``{(requests, with trees): {"steps", "rows", "wall", "forward", "verify", "drafting",
     "host", "busy_s", "accepted"}}``: means per step, but for busy_s (the group's summed
@@ -198,10 +203,7 @@ def request_ratio_buckets(lines, prior: float = AcceptanceModel.REQUEST_PRIOR,
     sums: dict[str, tuple[float, float]] = {}
     bins: dict[float, dict] = {}
     keep = 1.0 - 1.0 / memory
-    for line in lines:
-        if not line.startswith('{"req"'):
-            continue
-        r = json.loads(line)
+    for r in request_records(lines):
         if r.get("expected", -1.0) <= 0.0:
             continue
         accepted, expected = sums.get(r["req"], (0.0, 0.0))
@@ -224,8 +226,7 @@ def share_floors(lines, floors: list[float]) -> list[dict]:
     offered (verify) nodes of the trees at or above it. What the accepted share would have
     been had the budget not sent the trees below the floor, and the tokens that would have
     cost, as a ceiling read from one run: the later steps are taken as they were."""
-    trees = [json.loads(line) for line in lines if line.startswith('{"req"')]
-    trees = [(r.get("expected", 0.0), r["verify"], r["accepted"]) for r in trees
+    trees = [(r.get("expected", 0.0), r["verify"], r["accepted"]) for r in request_records(lines)
              if r.get("verify", 0) > 0]
     accepted = sum(t[2] for t in trees)
     out = []
