@@ -539,6 +539,27 @@ def evaluate(args, cfg, out: Path, target, embeddings, data, meta, t_start) -> N
     cfg_path.write_text(json.dumps(c, indent=2, sort_keys=True) + "\n")
 
 
+def first_layers(drafter: DSparkDrafter, num_layers: int) -> DSparkDrafter:
+    """A drafter of the first ``num_layers`` decoder layers of ``drafter``, with its
+    context projection, norms and heads. Why: a drafter with fewer layers costs less per
+    block (at 4 requests in bf16 the block is most of a proposal, and its layers most of
+    the block's GEMMs), and starting it from a trained one's first layers leaves training
+    to adapt the output norm and heads to the shallower stack rather than learn from
+    random weights."""
+    raw = drafter.config.to_dict()
+    raw["num_hidden_layers"] = int(num_layers)
+    cfg = DSparkConfig.from_dict(raw)
+    small = DSparkDrafter(cfg)
+    state = {k: v for k, v in drafter.state_dict().items()
+             if not (k.startswith("layers.") and int(k.split(".")[1]) >= num_layers)}
+    missing, unexpected = small.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"first_layers: missing {missing}, unexpected {unexpected}")
+    for name in small.frozen_parameter_names():
+        small.get_parameter(name).requires_grad_(False)
+    return small.to(next(drafter.parameters()).dtype)
+
+
 # ---------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------
@@ -653,11 +674,17 @@ def main(argv=None) -> int:
         from vllm_ptd.pctree.checkpoint import load_drafter
 
         drafter = load_drafter(args.init, target, (embed, lm), dtype=torch.float32)
-        shape = ("num_hidden_layers", "block_size", "target_layer_ids", "markov_rank", "mask_token_id")
+        shape = ("block_size", "target_layer_ids", "markov_rank", "mask_token_id")
         diff = {k: (getattr(drafter.config, k), getattr(cfg, k)) for k in shape
                 if getattr(drafter.config, k) != getattr(cfg, k)}
+        if drafter.config.num_hidden_layers < cfg.num_hidden_layers:
+            diff["num_hidden_layers"] = (drafter.config.num_hidden_layers, cfg.num_hidden_layers)
         if diff:
             raise SystemExit(f"--init {args.init}: differs from this run's drafter in {diff}")
+        if drafter.config.num_hidden_layers > cfg.num_hidden_layers:
+            log(f"keeping the first {cfg.num_hidden_layers} of the {drafter.config.num_hidden_layers} "
+                f"layers of {args.init}")
+            drafter = first_layers(drafter, cfg.num_hidden_layers)
         log(f"starting from the drafter at {args.init}")
     else:
         drafter = DSparkDrafter(cfg)

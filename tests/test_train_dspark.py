@@ -55,3 +55,40 @@ def test_training_prompts_leave_benchmark_prompts_out(train_dspark):
     code_names = {t.split("def ", 1)[1].split("(", 1)[0] for t in pools["stdlib_code"]}
     assert he_names and not he_names & code_names
     assert train_dspark.training_prompts(ddir, seed=0) == pools
+
+
+def test_first_layers_is_the_drafter_cut_after_its_first_layers(train_dspark):
+    """``--init`` with fewer ``--layers``: the shallower drafter is the trained one's context
+    projection, first layers, norm and heads, and drafts what running those alone drafts."""
+    from vllm_ptd.pctree.drafter import DSparkConfig, DSparkDrafter
+
+    target = dict(vocab_size=96, hidden_size=32, num_hidden_layers=6, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, intermediate_size=64, rms_norm_eps=1e-6,
+                  rope_theta=10000.0, model_type="llama", architectures=["LlamaForCausalLM"],
+                  hidden_act="silu", tie_word_embeddings=True)
+    cfg = DSparkConfig.for_target(target, num_layers=3, block_size=4, target_layer_ids=[0, 2],
+                                  mask_token_id=95, markov_rank=8)
+    g = torch.Generator().manual_seed(0)
+    deep = DSparkDrafter(cfg)
+    with torch.no_grad():
+        for p in deep.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    deep.eval()
+    small = train_dspark.first_layers(deep, 1).eval()
+    assert small.config.num_hidden_layers == 1 and len(small.layers) == 1
+    deep_params = dict(deep.named_parameters())
+    for name, p in small.named_parameters():
+        assert torch.equal(p, deep_params[name]), name
+        assert p.requires_grad == (name not in small.frozen_parameter_names())
+    ctx_rows = torch.randn(7, deep.context_dim, generator=g)
+    ctx_small, ctx_deep = small.new_context(), deep.new_context()
+    small.append_context(ctx_small, ctx_rows, 0)
+    deep.append_context(ctx_deep, ctx_rows, 0)
+    base, hidden = small.draft_block([ctx_small], [5])
+    # the deep drafter with its later layers taken out by hand
+    deep.layers = deep.layers[:1]
+    ctx_deep.k, ctx_deep.v = ctx_deep.k[:1], ctx_deep.v[:1]
+    deep.config.num_hidden_layers = 1
+    base_ref, hidden_ref = deep.draft_block([ctx_deep], [5])
+    torch.testing.assert_close(base, base_ref)
+    torch.testing.assert_close(hidden, hidden_ref)
