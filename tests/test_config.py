@@ -80,6 +80,19 @@ def test_pctree_defaults_and_chain_mode():
     assert tree_node_bound(2, 3, 100) == 2 + 2 * 4  # k + (depth - 1) k^2
 
 
+def test_pctree_model_names_a_folder_or_a_packaged_drafter(tmp_path):
+    from vllm_ptd.pctree.method import packaged_drafters, resolve_drafter_path
+
+    packaged = packaged_drafters()
+    assert packaged, "the package ships its drafters"
+    for folder in packaged:
+        assert resolve_drafter_path(folder.name, None) == folder
+    assert resolve_drafter_path(str(tmp_path), None) == tmp_path
+    with pytest.raises(ValueError, match=r"'no-such-drafter' is neither a folder nor a packaged "
+                                         rf"drafter \({packaged[0].name}"):
+        resolve_drafter_path("no-such-drafter", None)
+
+
 def test_pctree_drafter_dtype(monkeypatch):
     import torch
     from vllm_ptd.pctree import config as pctree_config

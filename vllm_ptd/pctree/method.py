@@ -68,13 +68,19 @@ def packaged_drafters() -> list[Path]:
 
 
 def resolve_drafter_path(model: str | None, target_config: Any) -> Path:
-    """Where the drafter comes from: ``model`` when given; else a packaged drafter that fits
-    the target; else ``$VLLM_PTD_DSPARK``; else a ValueError saying how to get one."""
+    """Where the drafter comes from: ``model`` when given (a folder, or the name of a
+    packaged drafter); else a packaged drafter that fits the target, the default one first;
+    else ``$VLLM_PTD_DSPARK``; else a ValueError saying how to get one."""
     if model:
         p = Path(model).expanduser()
-        if not p.is_dir():
-            raise ValueError(f"PCTree drafter {model!r} is not a folder; {_TRAIN_HINT}")
-        return p
+        if p.is_dir():
+            return p
+        packaged = {q.name: q for q in packaged_drafters()}
+        if model in packaged:
+            return packaged[model]
+        names = ", ".join(packaged) or "none"
+        raise ValueError(f"PCTree drafter {model!r} is neither a folder nor a packaged drafter "
+                         f"({names}); {_TRAIN_HINT}")
     reasons = []
     for p in packaged_drafters():
         try:
