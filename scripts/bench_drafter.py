@@ -19,6 +19,7 @@ core per worker on x86: on a 2-core machine the forward and the drafter run on o
 
   python scripts/bench_drafter.py [--context 300] [--requests 1,4] [--cold-mib 0,600]
       [--calls 20] [--draft-vocab 0,default] [--new-rows 3] [--threads 1] [--depth 3]
+      [--drafters default,<folder or packaged name>]
 """
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ def main() -> int:
     ap.add_argument("--draft-vocab", default="0,default",
                     help="draft-vocabulary sizes (speculative_config['draft_vocab']; 0: all words, "
                          "default: the drafter folder's)")
+    ap.add_argument("--drafters", default="default",
+                    help="comma-separated drafters (speculative_config['model']: a folder or a "
+                         "packaged drafter's name; default: the default drafter)")
     ap.add_argument("--depth", type=int, default=None,
                     help="block rows and expansion stages (default: the drafter's block size)")
     args = ap.parse_args()
@@ -85,15 +89,18 @@ def main() -> int:
     colds = [int(v) for v in args.cold_mib.split(",")]
     print(f"torch threads {torch.get_num_threads()}; context {args.context} rows (+20 per request); "
           f"block rows and stages: {args.depth or 'the block size'}\n")
-    print(f"| GEMM | dtype | draft vocabulary | requests | caches | {args.new_rows} new context "
-          f"rows ms | block ms | expansion ms | total ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for (name, make, dtype), size in ((v, s) for v in variants for s in sizes):
+    drafters = [None if v.strip() == "default" else v.strip() for v in args.drafters.split(",")]
+    print(f"| drafter | GEMM | dtype | draft vocabulary | requests | caches | {args.new_rows} new "
+          f"context rows ms | block ms | expansion ms | total ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for drafter, (name, make, dtype), size in (
+            (d, v, s) for d in drafters for v in variants for s in sizes):
+        label = drafter or "default"
         if make is None and name != "torch":
-            print(f"| {name} | {dtype} | — | — | — | — | — | — | not available |")
+            print(f"| {label} | {name} | {dtype} | — | — | — | — | — | — | not available |")
             continue
-        m = PCTreeMethod(PCTreeConfig(draft_vocab=size), target, dtype=dtype, linear_kernel=make,
-                         norm_kernel=None if make is None else norm_kernel)
+        m = PCTreeMethod(PCTreeConfig(model=drafter, draft_vocab=size), target, dtype=dtype,
+                         linear_kernel=make, norm_kernel=None if make is None else norm_kernel)
         d, c = m.drafter, m.config
         depth = c.depth if args.depth is None else max(1, min(c.depth, args.depth))
         gen = torch.Generator().manual_seed(0)
@@ -124,7 +131,7 @@ def main() -> int:
                                                  depth=depth, mode=c.mode,
                                                  vocab_ids=d.draft_vocab), sweep)
             caches = f"cold ({cold} MiB written)" if cold else "warm"
-            print(f"| {name} | {str(dtype).replace('torch.', '')} | {U.shape[-1]} | {n} | "
+            print(f"| {label} | {name} | {str(dtype).replace('torch.', '')} | {U.shape[-1]} | {n} | "
                   f"{caches} | {append:.1f} | {block:.1f} | {expand:.1f} | "
                   f"{append + block + expand:.1f} |")
     return 0
