@@ -4,7 +4,10 @@ decoding's, step kind by step kind, without the differences between engine proce
 Every method's engine is built in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and the
 same batches go to the engines in turn (order rotating). Separate engine processes running
 the same plain steps differ by a few per cent on this machine (``bench_upkeep``), more than
-what some of the effects measured here are. Each engine step is timed (the executor's
+what some of the effects measured here are. Engines in one process differ too, if less:
+three plain engines here took 24.1-25.3 ms a decode step of 4 requests on the same batches
+(README, What is not reached), so a run that should resolve a few per cent lists ``none``
+more than once (``none,ptd,none@2``) and reads the others against the plain engines' range. Each engine step is timed (the executor's
 ``execute_model`` to the end of its ``sample_tokens``, which holds sampling, and for a tree
 method its verification and drafting) and sorted by kind: *decode* (every request
 schedules its one token, plus its tree) or *prefill* (some request schedules prompt rows),
