@@ -533,6 +533,28 @@ def test_paired_steps_are_timed_and_sorted_by_kind():
     assert f"| ptd | {steps:.2f} | 0.25 | 0.00 | 0.00 | 1.00 | {5 - steps - 1.25:.2f} |" in text
 
 
+def test_paired_report_reads_engines_against_the_plain_engines_mean():
+    """With two or more plain engines (``none``, ``none@2``) the paired report gives every
+    engine's speed per round against their mean wall; with one, it does not."""
+    from vllm_ptd.bench.paired import report, speed_against_plain_mean
+
+    labels = ["none", "ptd", "none@2"]
+    # two rounds of two batches: plain rounds 4 and 6 (mean 5) and 6 and 10 (mean 8)
+    walls = {"none": [2.0, 2.0, 3.0, 3.0], "ptd": [2.0, 3.0, 4.0, 4.0],
+             "none@2": [3.0, 3.0, 5.0, 5.0]}
+    speeds = speed_against_plain_mean(labels, walls, rounds=2)
+    assert speeds["ptd"] == pytest.approx([1.0, 1.0])
+    assert speeds["none"] == pytest.approx([5 / 4, 8 / 6])
+    assert speeds["none@2"] == pytest.approx([5 / 6, 8 / 10])
+    assert speed_against_plain_mean(["none", "ptd"], walls, rounds=2) is None
+    kinds = {lab: {} for lab in labels}
+    text = report(labels, walls, kinds, {}, {lab: {} for lab in labels}, rounds=2)
+    assert "| ptd | 1.000 ± 0.000 |" in text
+    assert "| none@2 | 0.817 ± 0.024 |" in text
+    assert "against the plain engines' mean" not in report(
+        ["none", "ptd"], walls, kinds, {}, {lab: {} for lab in labels}, rounds=2)
+
+
 def test_paired_bf16_divergences_are_explained_by_plain_decodings_top2_gaps():
     """In bf16 the paired benchmark reads plain decoding's top-2 gap at each output's first
     divergence from a rerun of that batch, once per batch; a rerun that does not reproduce

@@ -7,7 +7,8 @@ the same plain steps differ by a few per cent on this machine (``bench_upkeep``)
 what some of the effects measured here are. Engines in one process differ too, if less:
 three plain engines here took 24.1-25.3 ms a decode step of 4 requests on the same batches
 (README, What is not reached), so a run that should resolve a few per cent lists ``none``
-more than once (``none,ptd,none@2``) and reads the others against the plain engines' range. Each engine step is timed (the executor's
+more than once (``none,ptd,none@2``): the report then gives each engine's speed against the
+plain engines' mean, the plain engines' own included. Each engine step is timed (the executor's
 ``execute_model`` to the end of its ``sample_tokens``, which holds sampling, and for a tree
 method its verification and drafting) and sorted by kind: *decode* (every request
 schedules its one token, plus its tree) or *prefill* (some request schedules prompt rows),
@@ -123,12 +124,36 @@ def identical_cell(same: int, total: int, gaps: list[float | None] | None) -> st
     return f"{same}/{total}" + near_tie_note(*count_near_ties(gaps or []))
 
 
+def is_plain(label: str) -> bool:
+    """``none`` or another plain engine of the run (``none@2``)."""
+    return label.split("@", 1)[0].strip().lower() == "none"
+
+
+def speed_against_plain_mean(labels: list[str], walls: dict[str, list[float]],
+                             rounds: int = 1) -> dict[str, list[float]] | None:
+    """Each engine's speed per round against the plain engines' mean: the mean of the
+    plain engines' round walls over its own (the plain engines included, which shows
+    their range); None with fewer than two plain engines. Why: identical plain engines in
+    one process differ by a few per cent (README, What is not reached), as much as some
+    of the differences a paired run is for."""
+    plain = [lab for lab in labels if is_plain(lab)]
+    if len(plain) < 2:
+        return None
+    n = len(walls[plain[0]]) // rounds
+    out = {}
+    for lab in labels:
+        out[lab] = [statistics.fmean(sum(walls[p][i * n:(i + 1) * n]) for p in plain)
+                    / sum(walls[lab][i * n:(i + 1) * n]) for i in range(rounds)]
+    return out
+
+
 def report(labels: list[str], walls: dict[str, list[float]], kinds: dict[str, dict],
            identical: dict[str, tuple[int, int]], host: dict[str, dict[str, float]],
            rounds: int = 1, gaps: dict[str, list[float | None]] | None = None) -> str:
     """Markdown: each engine's wall time against the first's (per batch: the median of the
     ratios; per round, ``walls`` holding ``rounds`` rounds of batches in order: the ratio of
-    the sums, mean ± sample sd), outputs equal to the first's (with ``gaps``, those of
+    the sums, mean ± sample sd) and, with two or more plain engines, its speed against
+    their mean (``speed_against_plain_mean``), outputs equal to the first's (with ``gaps``, those of
     ``divergence_gaps``, how many parted at near-ties), its steps by kind, and its
     seconds in each host phase (``HOST_PHASES``) and the rest of the wall time."""
     ref = labels[0]
@@ -145,6 +170,14 @@ def report(labels: list[str], walls: dict[str, list[float]], kinds: dict[str, di
         lines.append(f"| {lab} | {sum(w):.2f} | {statistics.median(ratios):.3f} | "
                      f"{statistics.fmean(per_round):.3f} ± {sd:.3f} | "
                      f"{'ref' if lab == ref else identical_cell(same, total, (gaps or {}).get(lab))} |")
+    speeds = speed_against_plain_mean(labels, walls, rounds)
+    if speeds is not None:
+        lines += ["", "| method | speed against the plain engines' mean, per round (mean ± sd) |",
+                  "|---|---|"]
+        for lab in labels:
+            r = speeds[lab]
+            sd = statistics.stdev(r) if rounds > 1 else 0.0
+            lines.append(f"| {lab} | {statistics.fmean(r):.3f} ± {sd:.3f} |")
     lines += ["", "| method | step kind | steps | seconds | rows | ms per step | rows per step |",
               "|---|---|---|---|---|---|---|"]
     for lab in labels:
