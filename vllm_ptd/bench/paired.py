@@ -124,9 +124,16 @@ def identical_cell(same: int, total: int, gaps: list[float | None] | None) -> st
     return f"{same}/{total}" + near_tie_note(*count_near_ties(gaps or []))
 
 
-def is_plain(label: str) -> bool:
-    """``none`` or another plain engine of the run (``none@2``)."""
-    return label.split("@", 1)[0].strip().lower() == "none"
+def round_sums(walls: list[float], rounds: int) -> list[float]:
+    """The wall of each round, ``walls`` holding ``rounds`` rounds of batches in order."""
+    n = len(walls) // rounds
+    return [sum(walls[i * n:(i + 1) * n]) for i in range(rounds)]
+
+
+def mean_sd(values: list[float]) -> str:
+    """``mean ± sample sd`` (sd 0 for one value)."""
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.fmean(values):.3f} ± {sd:.3f}"
 
 
 def speed_against_plain_mean(labels: list[str], walls: dict[str, list[float]],
@@ -136,15 +143,14 @@ def speed_against_plain_mean(labels: list[str], walls: dict[str, list[float]],
     their range); None with fewer than two plain engines. Why: identical plain engines in
     one process differ by a few per cent (README, What is not reached), as much as some
     of the differences a paired run is for."""
-    plain = [lab for lab in labels if is_plain(lab)]
+    from vllm_ptd.bench.methods import parse_method
+
+    plain = [lab for lab in labels if parse_method(lab).name == "none"]
     if len(plain) < 2:
         return None
-    n = len(walls[plain[0]]) // rounds
-    out = {}
-    for lab in labels:
-        out[lab] = [statistics.fmean(sum(walls[p][i * n:(i + 1) * n]) for p in plain)
-                    / sum(walls[lab][i * n:(i + 1) * n]) for i in range(rounds)]
-    return out
+    plain_mean = [statistics.fmean(r) for r in zip(*(round_sums(walls[p], rounds) for p in plain))]
+    return {lab: [m / w for m, w in zip(plain_mean, round_sums(walls[lab], rounds))]
+            for lab in labels}
 
 
 def report(labels: list[str], walls: dict[str, list[float]], kinds: dict[str, dict],
@@ -159,25 +165,20 @@ def report(labels: list[str], walls: dict[str, list[float]], kinds: dict[str, di
     ref = labels[0]
     lines = ["| method | wall s | wall / first's, per batch (median) | per round (mean ± sd) "
              "| identical |", "|---|---|---|---|---|"]
-    n = len(walls[ref]) // rounds
+    ref_rounds = round_sums(walls[ref], rounds)
     for lab in labels:
         w = walls[lab]
         ratios = [b / a for a, b in zip(walls[ref], w)]
-        per_round = [sum(w[i * n:(i + 1) * n]) / sum(walls[ref][i * n:(i + 1) * n])
-                     for i in range(rounds)]
-        sd = statistics.stdev(per_round) if rounds > 1 else 0.0
+        per_round = [b / a for a, b in zip(ref_rounds, round_sums(w, rounds))]
         same, total = identical.get(lab, (0, 0))
         lines.append(f"| {lab} | {sum(w):.2f} | {statistics.median(ratios):.3f} | "
-                     f"{statistics.fmean(per_round):.3f} ± {sd:.3f} | "
+                     f"{mean_sd(per_round)} | "
                      f"{'ref' if lab == ref else identical_cell(same, total, (gaps or {}).get(lab))} |")
     speeds = speed_against_plain_mean(labels, walls, rounds)
     if speeds is not None:
         lines += ["", "| method | speed against the plain engines' mean, per round (mean ± sd) |",
                   "|---|---|"]
-        for lab in labels:
-            r = speeds[lab]
-            sd = statistics.stdev(r) if rounds > 1 else 0.0
-            lines.append(f"| {lab} | {statistics.fmean(r):.3f} ± {sd:.3f} |")
+        lines += [f"| {lab} | {mean_sd(speeds[lab])} |" for lab in labels]
     lines += ["", "| method | step kind | steps | seconds | rows | ms per step | rows per step |",
               "|---|---|---|---|---|---|---|"]
     for lab in labels:
