@@ -342,3 +342,18 @@ def test_accepted_rows_move_from_a_copy_not_the_forward_buffer():
             expect_v[slot_mapping[r0 + 1 + j]] = v[r0 + 1 + node]
     gk, gv = gather_kv_vec(parts[0], torch.arange(4), 128)
     assert torch.equal(gk, expect_k.transpose(0, 1)) and torch.equal(gv, expect_v.transpose(0, 1))
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [2, 3, 4], [0, 2, 3, 7], [5, 1], [4]])
+def test_gather_rows_copies_the_rows_a_method_keeps(rows):
+    """``gather_rows`` gives ``hidden[rows]`` whether the rows lie next to each other (sliced)
+    or not (gathered), and never a view of a larger step tensor: a queued row must not keep
+    a long prompt's rows alive."""
+    from vllm_ptd.integration.proposer import gather_rows
+
+    hidden = torch.randn(8, 6)
+    got = gather_rows(hidden, rows)
+    assert torch.equal(got, hidden[rows])
+    assert got.untyped_storage().nbytes() == len(rows) * 6 * hidden.element_size()
+    whole = gather_rows(hidden[:4].clone(), [0, 1, 2, 3])  # all of the step's rows: no copy
+    assert whole.shape == (4, 6)

@@ -189,3 +189,41 @@ def test_rewrite_refuses_small_k_and_unknown_keys(model_path):
         rewrite_speculative_config({"method": "ptd", "max_verify_nodes": -1}, "cpu", target)
     with pytest.raises(ValueError, match="branching"):
         rewrite_speculative_config({"method": "pctree", "branching": 0}, "cpu", target)
+
+
+def test_a_step_without_drafts_samples_as_plain_decoding():
+    """In a step where no request has a draft, the runner patch gives vLLM no spec-decode
+    metadata (vLLM would build it for every step once speculation is configured): the logits
+    rows are each request's last row, as without speculation, and ``_prepare_inputs`` hands
+    on None so the plain sampler runs. A step with drafts keeps vLLM's own metadata."""
+    import types
+
+    import numpy as np
+    import torch
+
+    from vllm_ptd import plugin
+    from vllm_ptd.integration.model_runner_patch import GPUModelRunnerPatch, NoDraftsMetadata
+    from vllm_ptd.integration.proposer import TreeProposer
+
+    plugin.register()
+
+    runner = types.SimpleNamespace(drafter=TreeProposer.__new__(TreeProposer),
+                                   device=torch.device("cpu"))
+    calc = GPUModelRunnerPatch.__dict__["_calc_spec_decode_metadata"]
+    # a prefill chunk of 4 rows, then two decoding requests
+    meta = calc(runner, np.zeros(3, dtype=np.int32), np.array([4, 5, 6], dtype=np.int32))
+    assert isinstance(meta, NoDraftsMetadata)
+    assert meta.logits_indices.tolist() == [3, 4, 5]
+    seen = []
+    original = GPUModelRunnerPatch._originals["_calc_spec_decode_metadata"]
+    GPUModelRunnerPatch._originals["_calc_spec_decode_metadata"] = \
+        lambda self, n, cu: seen.append((n.tolist(), cu.tolist())) or "vllm's"
+    try:
+        assert calc(runner, np.array([0, 2], dtype=np.int32),
+                    np.array([1, 4], dtype=np.int32)) == "vllm's"
+        plain_runner = types.SimpleNamespace(drafter=None, device=torch.device("cpu"))
+        assert calc(plain_runner, np.zeros(2, dtype=np.int32),
+                    np.array([1, 2], dtype=np.int32)) == "vllm's"
+    finally:
+        GPUModelRunnerPatch._originals["_calc_spec_decode_metadata"] = original
+    assert seen == [([0, 2], [1, 4]), ([0, 0], [1, 2])]

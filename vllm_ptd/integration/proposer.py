@@ -46,6 +46,8 @@ from vllm_ptd.verify import greedy_walk, row_argmax, sampling_walk, target_probs
 logger = logging.getLogger("vllm_ptd")
 
 GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
+# the tree of a request that ran without one (shared: outcomes only read it)
+NO_TREE = FlatTree()
 LOG_EVERY_STEPS = 500
 SAVE_COST_EVERY_STEPS = 256
 # cost of one more row relative to a one-row step, before anything is measured
@@ -132,6 +134,18 @@ def _plain_argmax_samples(sm, spec_meta, rows_b: list[int]) -> bool:
             return False
     num_draft = spec_meta.num_draft_tokens
     return all(num_draft[b] == 0 for b in rows_b)
+
+
+def gather_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``hidden[rows]``, a tensor of its own (views of the step's tensor would keep all of
+    it, a long prompt's rows among them, alive while a method queues them). Rows that lie
+    next to each other (a decode step where no tree node was accepted) are sliced and
+    copied instead of gathered through an index tensor: one op where there were three."""
+    first = rows[0]
+    if rows[-1] - first + 1 == len(rows) and rows == list(range(first, first + len(rows))):
+        block = hidden[first: first + len(rows)]
+        return block if len(rows) == hidden.shape[0] else block.clone()
+    return hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=hidden.device))
 
 
 def accepted_kv_moves(step: TreeStep, paths: list[list[int]]) -> tuple[list[int], list[int]]:
@@ -593,7 +607,8 @@ class TreeProposer:
         if not self.is_driver:
             return out  # vLLM schedules the first rank's drafts
         ib = self.runner.input_batch
-        qsl = self.runner.query_start_loc.np
+        # the batch's row starts as Python ints, once (numpy scalars cost per use)
+        qsl = self.runner.query_start_loc.np[: ib.num_reqs + 1].tolist()
         method = self.method
         observe_ids, observe_outcomes, ready_ids, ready_last, ready_b = [], [], [], [], []
         hidden_rows: list[int] = []  # per observed request: its rows [root, *accepted]
@@ -604,9 +619,9 @@ class TreeProposer:
                     continue
                 outcome = self.outcomes.pop(req_id, None)
                 if outcome is None:  # the request ran without a tree this step
-                    outcome = StepOutcome(FlatTree(), toks[-1], [], [], list(toks))
+                    outcome = StepOutcome(NO_TREE, toks[-1], [], [], list(toks))
                 if hidden is not None:
-                    r0 = int(qsl[b])
+                    r0 = qsl[b]
                     hidden_rows.append(r0)
                     hidden_rows.extend(r0 + 1 + a for a in outcome.accepted)
                 observe_ids.append(req_id)
@@ -614,8 +629,7 @@ class TreeProposer:
             else:
                 if hidden is not None:
                     # prompt rows (maybe one chunk of several): the drafter's first context
-                    self.prompt_hidden.setdefault(req_id, []).append(
-                        hidden[int(qsl[b]): int(qsl[b + 1])])
+                    self.prompt_hidden.setdefault(req_id, []).append(hidden[qsl[b]: qsl[b + 1]])
                 if not toks:
                     continue
                 params = self.runner.requests[req_id].sampling_params \
@@ -633,9 +647,8 @@ class TreeProposer:
             ready_b.append(b)
         if observe_ids:
             if hidden is not None:  # one gather for the batch, a view per request
-                rows = hidden.index_select(
-                    0, torch.tensor(hidden_rows, dtype=torch.long, device=hidden.device))
-                parts = rows.split([1 + len(oc.accepted) for oc in observe_outcomes])
+                parts = gather_rows(hidden, hidden_rows).split(
+                    [1 + len(oc.accepted) for oc in observe_outcomes])
                 for oc, part in zip(observe_outcomes, parts):
                     oc.hidden = part
             with self.clock.part("drafting"):
