@@ -27,7 +27,8 @@ CORE_PHASES = {"schedule": ("scheduler", "schedule"),
                "update": ("scheduler", "update_from_output"),
                "execute": ("model_executor", "execute_model"),
                "sample_tokens": ("model_executor", "sample_tokens")}
-RUNNER_PHASES = ("_prepare_inputs", "propose_draft_token_ids")
+RUNNER_PHASES = ("_prepare_inputs", "_calc_spec_decode_metadata", "_model_forward", "_sample",
+                 "propose_draft_token_ids")
 # Python's cyclic garbage collector: its pauses are the process's, whichever engine's objects
 # made them, so engines in one process (``bench_paired``) share them; here each method's own
 GC_KEYS = ("gc", "gc_full")  # seconds in collections; full (generation 2) collections
@@ -144,10 +145,11 @@ def _reference(records: list[dict]) -> dict:
 
 
 def report(results: list[tuple[str, dict]]) -> str:
-    lines = ["| run | method | wall s | execute s | sample_tokens s | of which propose s "
-             "| prepare_inputs s | schedule + update s | garbage collector s (full collections) "
-             "| identical |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | method | wall s | execute s | of which forward s | of which prepare_inputs s "
+             "| of which spec-decode metadata s | sample_tokens s | of which sample s "
+             "| of which propose s | schedule + update s "
+             "| garbage collector s (full collections) | identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def cell(s, k):
         v = s.get(k)
@@ -158,9 +160,10 @@ def report(results: list[tuple[str, dict]]) -> str:
         ident = f"{s['identical']}/{s['compared']}" if s["compared"] else "ref"
         full = s.get("gc_full", {}).get("mean", 0.0)
         lines.append(f"| {i + 1} | {label} | {cell(s, 'wall')} | {cell(s, 'execute')} | "
-                     f"{cell(s, 'sample_tokens')} | {cell(s, 'propose_draft_token_ids')} | "
-                     f"{cell(s, '_prepare_inputs')} | {su:.2f} | {cell(s, 'gc')} ({full:g}) "
-                     f"| {ident} |")
+                     f"{cell(s, '_model_forward')} | {cell(s, '_prepare_inputs')} | "
+                     f"{cell(s, '_calc_spec_decode_metadata')} | {cell(s, 'sample_tokens')} | "
+                     f"{cell(s, '_sample')} | {cell(s, 'propose_draft_token_ids')} | "
+                     f"{su:.2f} | {cell(s, 'gc')} ({full:g}) | {ident} |")
     return "\n".join(lines)
 
 
