@@ -227,3 +227,42 @@ def test_a_step_without_drafts_samples_as_plain_decoding():
     finally:
         GPUModelRunnerPatch._originals["_calc_spec_decode_metadata"] = original
     assert seen == [([0, 2], [1, 4]), ([0, 0], [1, 2])]
+
+
+@pytest.mark.parametrize("asked,expected", [(None, "PIECEWISE"), ("FULL", "PIECEWISE"),
+                                            ("FULL_AND_PIECEWISE", "PIECEWISE"),
+                                            ("PIECEWISE", "PIECEWISE"), ("NONE", "NONE")])
+def test_gpu_tree_path_sets_cudagraph_mode_as_vllms_enum(monkeypatch, asked, expected):
+    """A GPU tree engine runs PIECEWISE CUDA graphs (or none): set as vLLM's enum, since
+    vLLM's config calls enum methods on it after the string validator has run (a string
+    failed there with AttributeError on every GPU engine)."""
+    from vllm.config import CUDAGraphMode
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_ptd.integration.engine_args_patch import use_gpu_tree_path
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    args = EngineArgs(model="m", compilation_config={} if asked is None else
+                      {"cudagraph_mode": asked})
+    use_gpu_tree_path(args)
+    mode = args.compilation_config.cudagraph_mode
+    assert mode is CUDAGraphMode[expected]
+    assert mode.requires_piecewise_compilation() == (expected == "PIECEWISE")
+    assert str(args.attention_backend).upper().endswith("TRITON_ATTN")
+
+
+def test_gpu_tree_path_takes_either_way_of_naming_the_backend(monkeypatch):
+    """TRITON_ATTN asked in ``attention_config`` is kept there (vLLM refuses it named twice);
+    any other backend, named either way, is refused with its key."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_ptd.integration.engine_args_patch import use_gpu_tree_path
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    args = EngineArgs(model="m", attention_config={"backend": "TRITON_ATTN"})
+    use_gpu_tree_path(args)
+    assert args.attention_backend is None
+    with pytest.raises(ValueError, match=r"^attention_config.backend .*FLASH_ATTN"):
+        use_gpu_tree_path(EngineArgs(model="m", attention_config={"backend": "FLASH_ATTN"}))
+    with pytest.raises(ValueError, match=r"^attention_backend FLASH_ATTN cannot"):
+        use_gpu_tree_path(EngineArgs(model="m", attention_backend="FLASH_ATTN"))

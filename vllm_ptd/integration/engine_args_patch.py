@@ -66,6 +66,34 @@ def _mode_name(value) -> str:
     return str(value).upper().split(".")[-1]
 
 
+def use_gpu_tree_path(args: EngineArgs) -> None:
+    """Engine settings a GPU tree engine needs, set on ``args`` before vLLM builds its
+    config. The runner patches live in the V1 model runner; tree rows need the Triton
+    attention backend with the project's tree kernel (asked for by ``attention_backend`` or
+    ``attention_config.backend``, which vLLM takes as exclusive); FULL CUDA graphs would
+    capture attention (and freeze its tree rows), so only PIECEWISE graphs, in which
+    attention runs eagerly between the captured pieces. The mode is set as vLLM's enum:
+    a string assigned after the config object was built skips its validator, and vLLM's
+    config then calls enum methods on it."""
+    from vllm.config import CUDAGraphMode
+
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    config_backend = getattr(args.attention_config, "backend", None)
+    for name, asked in (("attention_backend", args.attention_backend),
+                        ("attention_config.backend", config_backend)):
+        if asked is not None and _mode_name(asked) != "TRITON_ATTN":
+            raise ValueError(f"{name} {_mode_name(asked)} cannot carry vllm-ptd's tree rows; use "
+                             f"TRITON_ATTN (or leave it unset)")
+    if args.attention_backend is None and config_backend is None:
+        args.attention_backend = "TRITON_ATTN"
+    asked = getattr(args.compilation_config, "cudagraph_mode", None)
+    if asked is not None and _mode_name(asked) not in ("PIECEWISE", "NONE"):
+        logger.warning("vllm-ptd: cudagraph_mode %s would capture attention (and its "
+                       "tree rows) in full CUDA graphs; using PIECEWISE instead", asked)
+    if asked is None or _mode_name(asked) != "NONE":
+        args.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+
+
 class EngineArgsPatch(Patch):
     target = EngineArgs
 
@@ -93,23 +121,12 @@ class EngineArgsPatch(Patch):
                 logger.info("vllm-ptd %s: %s = %r (%s)", method.name, name, value, why)
             setattr(self, name, value)
         if device == "cuda":
-            # The runner patches live in the V1 model runner; tree rows need the Triton
-            # attention backend with the project's tree kernel, and FULL CUDA graphs would
-            # capture attention (and freeze its tree rows), so only PIECEWISE graphs, in
-            # which attention runs eagerly between the captured pieces.
-            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-            if self.attention_backend is None:
-                self.attention_backend = "TRITON_ATTN"
-            elif _mode_name(self.attention_backend) != "TRITON_ATTN":
-                raise ValueError(f"attention_backend {self.attention_backend!r} cannot carry "
-                                 f"vllm-ptd's tree rows; use TRITON_ATTN (or leave it unset)")
-            asked = getattr(self.compilation_config, "cudagraph_mode", None)
-            if asked is not None and _mode_name(asked) not in ("PIECEWISE", "NONE"):
-                logger.warning("vllm-ptd: cudagraph_mode %s would capture attention (and its "
-                               "tree rows) in full CUDA graphs; using PIECEWISE instead", asked)
-            if asked is None or _mode_name(asked) != "NONE":
-                self.compilation_config.cudagraph_mode = "PIECEWISE"
+            use_gpu_tree_path(self)
         config = orig(self, *args, **kwargs)
+        if device == "cuda" and getattr(config, "use_v2_model_runner", False):
+            raise ValueError("vllm-ptd's tree verification lives in vLLM's V1 model runner, and "
+                             "this engine would run the V2 one (VLLM_USE_V2_MODEL_RUNNER=1, or a "
+                             "feature that needs it); unset VLLM_USE_V2_MODEL_RUNNER")
         max_len = config.model_config.max_model_len
         k = vllm_spec["num_speculative_tokens"]
         if k + 1 > max_len:

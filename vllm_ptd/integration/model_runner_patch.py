@@ -59,14 +59,6 @@ class GPUModelRunnerPatch(Patch):
         if proposer.needs_hidden:
             self.use_aux_hidden_state_outputs = True
 
-    def load_model(self, *args, **kwargs):
-        # vLLM's CPU runner loads its drafter itself; the GPU runner does not for custom_class
-        result = GPUModelRunnerPatch.original("load_model")(self, *args, **kwargs)
-        proposer = _tree_proposer(self)
-        if proposer is not None:
-            proposer.load_model(self.model)
-        return result
-
     def _get_eagle3_aux_layers_from_config(self):
         proposer = _tree_proposer(self)
         if proposer is not None and proposer.needs_hidden:

@@ -337,7 +337,7 @@ class TreeProposer:
                 AcceptanceModel(request_calibration=self.request_calibration))
 
     def load_model(self, target_model) -> None:
-        """vLLM's CPU runner calls this after loading the target (GPU: the runner patch)."""
+        """vLLM's runners (CPU and GPU alike) call this after loading the target."""
         if self.method is not None:
             return
         bind_tree_attention(self.runner, self.channel)
