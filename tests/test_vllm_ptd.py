@@ -223,7 +223,8 @@ def ptd_llm(engine_env, plain, model_path):
     from vllm import LLM
 
     llm = LLM(model_path, max_model_len=1024, speculative_config=FIXED_PTD,
-              disable_log_stats=False, **MODEL_ARGS)
+              disable_log_stats=False, per_request_spec_decode_metrics="summary",
+              **MODEL_ARGS)
     yield llm
     _shutdown(llm)
 
@@ -308,7 +309,7 @@ class TestPTD:
         assert _proposer(llm).num_tracked() == 0
 
     def test_vllm_spec_decode_counters_match_trace(self, batch_run):
-        _, before, after, trace = batch_run
+        outs, before, after, trace = batch_run
 
         def delta(name):
             return after.get(name, 0) - before.get(name, 0)
@@ -319,6 +320,13 @@ class TestPTD:
         assert sum(t["nodes"] - t["verify"] for t in trace) > 0, "no draft row ran"
         assert delta("vllm:spec_decode_num_accepted_tokens") == sum(t["accepted"] for t in trace)
         assert delta("vllm:spec_decode_num_accepted_tokens") > 0
+        # and so does each request's own record (the response's metrics.speculative_decoding)
+        records = [o.outputs[0].spec_decode_metrics for o in outs]
+        assert all(r is not None for r in records)
+        assert sum(r.num_draft_tokens for r in records) == sum(t["verify"] for t in trace)
+        assert sum(sum(r.histogram) for r in records) == sum(t["verify"] > 0 for t in trace)
+        assert sum(j * n for r in records for j, n in enumerate(r.histogram)) == \
+            sum(t["accepted"] for t in trace)
 
     def test_batch1_accepted_lengths_equal_reference(self, llm, engine_env, work):
         """One prompt at a time, every step's (tree size, verified nodes, accepted length)
