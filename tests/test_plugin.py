@@ -266,3 +266,26 @@ def test_gpu_tree_path_takes_either_way_of_naming_the_backend(monkeypatch):
         use_gpu_tree_path(EngineArgs(model="m", attention_config={"backend": "FLASH_ATTN"}))
     with pytest.raises(ValueError, match=r"^attention_backend FLASH_ATTN cannot"):
         use_gpu_tree_path(EngineArgs(model="m", attention_backend="FLASH_ATTN"))
+
+
+def test_gpu_tree_path_keeps_attention_and_the_cache_write_eager(monkeypatch):
+    """Settings that would capture the tree's Python (the cache write's K/V stash, the tree
+    rows) in CUDA graphs, or route around it, are turned back."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_ptd.integration.engine_args_patch import EAGER_OPS, use_gpu_tree_path
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    args = EngineArgs(model="m", compilation_config={
+        "use_inductor_graph_partition": True, "splitting_ops": ["vllm::some_op"],
+        "pass_config": {"fuse_attn_quant": True}})
+    use_gpu_tree_path(args)
+    cc = args.compilation_config
+    assert cc.use_inductor_graph_partition is False
+    assert cc.splitting_ops == ["vllm::some_op", *EAGER_OPS]
+    assert cc.pass_config.fuse_attn_quant is False
+    assert cc.pass_config.fuse_qk_norm_rope_kvcache is False
+    # vLLM's own split (splitting_ops None) is left to vLLM: it keeps both ops eager
+    args = EngineArgs(model="m")
+    use_gpu_tree_path(args)
+    assert args.compilation_config.splitting_ops is None

@@ -86,12 +86,48 @@ def use_gpu_tree_path(args: EngineArgs) -> None:
                              f"TRITON_ATTN (or leave it unset)")
     if args.attention_backend is None and config_backend is None:
         args.attention_backend = "TRITON_ATTN"
-    asked = getattr(args.compilation_config, "cudagraph_mode", None)
+    compilation = args.compilation_config
+    asked = getattr(compilation, "cudagraph_mode", None)
     if asked is not None and _mode_name(asked) not in ("PIECEWISE", "NONE"):
         logger.warning("vllm-ptd: cudagraph_mode %s would capture attention (and its "
                        "tree rows) in full CUDA graphs; using PIECEWISE instead", asked)
     if asked is None or _mode_name(asked) != "NONE":
-        args.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+        compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    keep_tree_ops_eager(compilation)
+
+
+# the ops whose Python runs the tree: attention rewrites the tree rows, the cache write
+# stashes the verify rows' K/V (``TreeKVStashMixin``)
+EAGER_OPS = ("vllm::unified_attention_with_output", "vllm::unified_kv_cache_update")
+# fusions that move the cache write out of ``do_kv_cache_update`` (the stash would miss the
+# step's K/V) or quantize attention's output (the tree rows are not rewritten then)
+TREE_BREAKING_FUSIONS = ("fuse_rope_kvcache", "fuse_qk_norm_rope_kvcache", "fuse_attn_quant")
+
+
+def keep_tree_ops_eager(compilation) -> None:
+    """Keep attention and the KV-cache write outside every captured CUDA graph, each step's
+    Python running: vLLM's default piecewise split does (its splitting ops are both), and
+    three settings would not, each turned back here with a warning naming it: Inductor's
+    graph partition (which splits at attention only, capturing the cache write), a
+    ``splitting_ops`` list without them, and the fusions in ``TREE_BREAKING_FUSIONS``."""
+    if getattr(compilation, "use_inductor_graph_partition", None):
+        logger.warning("vllm-ptd: use_inductor_graph_partition would capture the KV-cache "
+                       "write, where the tree's K/V are kept, in CUDA graphs; turned off")
+        compilation.use_inductor_graph_partition = False
+    ops = getattr(compilation, "splitting_ops", None)
+    if ops:  # a list of the user's own; None: vLLM's, which has both
+        for op in EAGER_OPS:
+            if op not in ops:
+                logger.warning("vllm-ptd: splitting_ops gains %s (tree speculation runs "
+                               "Python there every step)", op)
+                ops.append(op)
+    passes = getattr(compilation, "pass_config", None)
+    for name in TREE_BREAKING_FUSIONS:
+        if passes is None or not hasattr(passes, name) or getattr(passes, name) is False:
+            continue
+        if getattr(passes, name):
+            logger.warning("vllm-ptd: pass_config.%s cannot carry tree rows; turned off", name)
+        setattr(passes, name, False)
 
 
 class EngineArgsPatch(Patch):
