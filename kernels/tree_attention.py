@@ -19,6 +19,13 @@ Shapes (B tree requests, R query rows in all, n_b nodes in request b):
     out          [R, num_q_heads, head_dim]       optional; only the tree rows are written, so
                                                   the backend can pass its own output buffer.
                                                   Allocated as zeros when omitted.
+    rows_from    [B] int32, optional              only request b's rows r with
+    rows_to      [B] int32, optional              rows_from[b] <= r < rows_to[b] are written
+                                                  (default: all n_b + 1). Why: rows whose mask
+                                                  is the causal one (the root, a leading
+                                                  chain, a causal tail) were computed exactly
+                                                  by the engine's own kernel; rewriting them
+                                                  would only change their rounding.
 
 The cache must already hold this step's K/V: tree row r of request b at sequence index
 ctx_b + r (vLLM writes the step's K/V before attention). Row r attends to every index
@@ -56,7 +63,9 @@ def _check_shapes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
 def tree_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                          block_table: torch.Tensor, context_lens: torch.Tensor, query_starts: torch.Tensor,
                          node_offsets: torch.Tensor, tree_mask: TreeMask, scale: float, *,
-                         out: torch.Tensor | None = None, max_rows: int | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, max_rows: int | None = None,
+                         rows_from: torch.Tensor | None = None,
+                         rows_to: torch.Tensor | None = None) -> torch.Tensor:
     """Torch twin: per request, gather K/V through the block table and run a masked softmax."""
     group = _check_shapes(query, key_cache, value_cache)
     if out is None:
@@ -65,8 +74,13 @@ def tree_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     nodes = host_list(node_offsets)
     contexts = host_list(context_lens)
     starts = host_list(query_starts)
+    lows = host_list(rows_from) if rows_from is not None else [0] * len(contexts)
+    highs = host_list(rows_to) if rows_to is not None else [1 << 30] * len(contexts)
     for b, ctx in enumerate(contexts):
         num_rows = nodes[b + 1] - nodes[b] + 1
+        lo, hi = lows[b], min(highs[b], num_rows)
+        if lo >= hi:
+            continue
         seq = torch.arange(ctx + num_rows, device=key_cache.device)
         blocks = block_table[b].to(torch.int64)[seq // block_size]
         keys = key_cache[blocks, seq % block_size].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
@@ -76,7 +90,8 @@ def tree_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_cac
                              tree_mask.request(b).to(query.device)], dim=1)
         scores = torch.einsum("qhd,khd->hqk", rows, keys) * scale
         probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-        out[starts[b]:starts[b] + num_rows] = torch.einsum("hqk,khd->qhd", probs, values).to(out.dtype)
+        out[starts[b] + lo:starts[b] + hi] = torch.einsum("hqk,khd->qhd", probs[:, lo:hi],
+                                                          values).to(out.dtype)
     return out
 
 
@@ -99,6 +114,7 @@ if HAVE_TRITON:
     def _tree_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr,
         block_table_ptr, context_lens_ptr, query_starts_ptr, node_offsets_ptr, mask_ptr, mask_offsets_ptr,
+        rows_from_ptr, rows_to_ptr,
         scale_log2,
         stride_q_row, stride_q_head, stride_q_dim,
         stride_k_block, stride_k_slot, stride_k_head, stride_k_dim,
@@ -120,7 +136,10 @@ if HAVE_TRITON:
 
         node_start = tl.load(node_offsets_ptr + req)
         num_rows = tl.load(node_offsets_ptr + req + 1) - node_start + 1
-        if first_row < num_rows:
+        # the rows this request has written (the others are the engine kernel's, exact)
+        rows_lo = tl.load(rows_from_ptr + req)
+        rows_hi = tl.minimum(tl.load(rows_to_ptr + req), num_rows)
+        if (first_row < rows_hi) & (first_row + BLOCK_ROWS > rows_lo):
             ctx = tl.load(context_lens_ptr + req)
             query_start = tl.load(query_starts_ptr + req)
 
@@ -187,15 +206,18 @@ if HAVE_TRITON:
                 acc, row_max, row_sum = _online_softmax_step(acc, row_max, row_sum, scores, v, DOT_FP32)
 
             result = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+            written = tile_ok & (row >= rows_lo) & (row < rows_hi)
             tl.store(out_ptr + q_rows[:, None] * stride_o_row + head[:, None] * stride_o_head
                      + dim[None, :] * stride_o_dim, result.to(out_ptr.dtype.element_ty),
-                     mask=tile_ok[:, None] & dim_ok[None, :])
+                     mask=written[:, None] & dim_ok[None, :])
 
 
 def tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                           block_table: torch.Tensor, context_lens: torch.Tensor, query_starts: torch.Tensor,
                           node_offsets: torch.Tensor, tree_mask: TreeMask, scale: float, *,
-                          out: torch.Tensor | None = None, max_rows: int | None = None) -> torch.Tensor:
+                          out: torch.Tensor | None = None, max_rows: int | None = None,
+                          rows_from: torch.Tensor | None = None,
+                          rows_to: torch.Tensor | None = None) -> torch.Tensor:
     """One launch, grid (B, row blocks of the widest tree, num_kv_heads)."""
     group = _check_shapes(query, key_cache, value_cache)
     if out is None:
@@ -203,6 +225,10 @@ def tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     batch = node_offsets.numel() - 1
     if batch <= 0:
         return out
+    if rows_from is None:
+        rows_from = torch.zeros(batch, dtype=torch.int32, device=query.device)
+    if rows_to is None:
+        rows_to = torch.full((batch,), 1 << 30, dtype=torch.int32, device=query.device)
     if max_rows is None:
         nodes = host_list(node_offsets)
         max_rows = max(e - s for s, e in zip(nodes[:-1], nodes[1:])) + 1
@@ -220,7 +246,7 @@ def tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     _tree_attention_kernel[grid](
         query, key_cache, value_cache, out,
         block_table, context_lens, query_starts, node_offsets,
-        tree_mask.mask.view(torch.uint8), tree_mask.offsets,
+        tree_mask.mask.view(torch.uint8), tree_mask.offsets, rows_from, rows_to,
         scale * math.log2(math.e),
         *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(),
         block_table.stride(0), key_cache.shape[1],
@@ -234,12 +260,16 @@ def tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_ca
 def tree_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    block_table: torch.Tensor, context_lens: torch.Tensor, query_starts: torch.Tensor,
                    node_offsets: torch.Tensor, tree_mask: TreeMask, scale: float, *,
-                   out: torch.Tensor | None = None, max_rows: int | None = None) -> torch.Tensor:
-    """Attention of every tree row over prefix + visible tree rows (see module doc).
+                   out: torch.Tensor | None = None, max_rows: int | None = None,
+                   rows_from: torch.Tensor | None = None,
+                   rows_to: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of every tree row over prefix + visible tree rows (see module doc); with
+    ``rows_from``/``rows_to``, of request b's rows in ``[rows_from[b], rows_to[b])`` only.
 
     ``max_rows`` (largest n_b + 1) sizes the Triton grid; when omitted it is read from
     ``node_offsets`` on the host (one sync on GPU)."""
     args = (query, key_cache, value_cache, block_table, context_lens, query_starts, node_offsets, tree_mask, scale)
+    bounds = dict(out=out, max_rows=max_rows, rows_from=rows_from, rows_to=rows_to)
     if use_triton(query, key_cache, value_cache, block_table, context_lens, query_starts, node_offsets):
-        return tree_attention_triton(*args, out=out, max_rows=max_rows)
-    return tree_attention_torch(*args, out=out, max_rows=max_rows)
+        return tree_attention_triton(*args, **bounds)
+    return tree_attention_torch(*args, **bounds)

@@ -267,6 +267,12 @@ def test_path_requests_give_every_tree_row_its_ancestor_attention(seed, isa):
     assert torch.equal(output[others], before[others])
     assert paths is None or sorted(torch.cat([rd.query_rows for rd in paths.rounds]).tolist()) \
         == sorted(refs)
+    # the GPU backend's tree kernel rewrites the same rows (its row bounds, 0 = the root)
+    assert sorted(row_start[i] + r for i, (lo, hi) in enumerate(step.masked_rows)
+                  for r in range(lo, hi)) == sorted(refs)
+    assert step.has_masked_rows == bool(refs)
+    bounds = step.on_device("cpu")
+    assert list(zip(bounds.rows_from.tolist(), bounds.rows_to.tolist())) == step.masked_rows
     # the prefix is never written; the leading chain's slots hold their own rows again (an
     # accepted node there is not moved); other tree slots are free once the forward is done
     for i, (t, c) in enumerate(zip(trees, contexts)):

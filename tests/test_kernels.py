@@ -99,9 +99,36 @@ class PagedCase:
     def tree_mask(self):
         return build_tree_mask_torch(self.batch.parents, self.batch.offsets, self.batch.causal_from)
 
-    def run(self, fn):
+    def run(self, fn, **kwargs):
         return fn(self.query, self.key_cache, self.value_cache, self.block_table, self.context_lens,
-                  self.query_starts, self.batch.offsets, self.tree_mask(), self.scale)
+                  self.query_starts, self.batch.offsets, self.tree_mask(), self.scale, **kwargs)
+
+    def row_bounds(self, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random [rows_from, rows_to) per request, some empty, some past the tree's end."""
+        lo, hi = [], []
+        for tree in self.trees:
+            a = rng.randint(0, tree.num_nodes + 1)
+            lo.append(a)
+            hi.append(rng.randint(max(0, a - 1), tree.num_nodes + 3))
+        dev = self.query.device
+        return (torch.tensor(lo, dtype=torch.int32, device=dev),
+                torch.tensor(hi, dtype=torch.int32, device=dev))
+
+
+def assert_only_bounded_rows_written(case: PagedCase, got: torch.Tensor, full: torch.Tensor,
+                                     bounds: tuple[torch.Tensor, torch.Tensor], sentinel: float,
+                                     tol: float) -> None:
+    """Rows inside each request's bounds equal the unbounded result; every other row keeps
+    the sentinel the output was filled with."""
+    written = torch.zeros(case.query.shape[0], dtype=torch.bool)
+    for b, tree in enumerate(case.trees):
+        start = int(case.query_starts[b])
+        lo, hi = int(bounds[0][b]), min(int(bounds[1][b]), tree.num_nodes + 1)
+        if lo < hi:
+            written[start + lo:start + hi] = True
+    got, full = got.float().cpu(), full.float().cpu()
+    torch.testing.assert_close(got[written], full[written], atol=tol, rtol=tol)
+    assert bool((got[~written] == sentinel).all())
 
 
 def accepted_path_pairs(rng: random.Random, trees: list[FlatTree], block_size: int, num_blocks: int):
@@ -234,6 +261,19 @@ def test_tree_attention_twin_matches_dense(num_q_heads, num_kv_heads, head_dim):
         torch.testing.assert_close(got, dense_tree_attention(case), atol=2e-5, rtol=1e-4)
 
 
+def test_tree_attention_twin_writes_only_the_rows_asked():
+    rng = random.Random(5)
+    for _ in range(3):
+        case = PagedCase(rng, random_batch(rng, 6, 30, min_nodes=0), num_q_heads=4,
+                         num_kv_heads=2, head_dim=64, block_size=16, max_context=60,
+                         dtype=torch.float32, device="cpu")
+        bounds = case.row_bounds(rng)
+        got = case.run(tree_attention_torch, out=torch.full_like(case.query, 7.0),
+                       rows_from=bounds[0], rows_to=bounds[1])
+        assert_only_bounded_rows_written(case, got, case.run(tree_attention_torch), bounds, 7.0,
+                                         1e-6)
+
+
 @pytest.mark.skipif(INTERPRETED, reason="with the interpreter every call picks Triton")
 def test_dispatch_uses_twin_for_cpu_tensors():
     assert backend_name(torch.zeros(1)) == "torch"
@@ -329,6 +369,11 @@ def test_interp_tree_attention(dtype, num_q_heads, num_kv_heads, head_dim):
         start = int(case.query_starts[b])
         covered[start:start + tree.num_nodes + 1] = True
     assert bool((got[~covered] == 0).all())
+    # with row bounds, the rows asked and no other
+    bounds = case.row_bounds(rng)
+    bounded = case.run(tree_attention, out=torch.full_like(case.query, 7.0),
+                       rows_from=bounds[0], rows_to=bounds[1])
+    assert_only_bounded_rows_written(case, bounded, want, bounds, 7.0, TOLERANCE[dtype])
 
 
 @pytest.mark.skipif(INTERPRETED or not _backend.HAVE_TRITON, reason="this is the launcher")
@@ -388,7 +433,7 @@ def test_kernels_compile_for_sm90():
     types = {name: "i32" for name in kernel.arg_names if name.startswith("stride_") or name == "block_size"}
     types.update(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", block_table_ptr="*i32",
                  context_lens_ptr="*i32", query_starts_ptr="*i32", node_offsets_ptr="*i32", mask_ptr="*u8",
-                 mask_offsets_ptr="*i64", scale_log2="fp32")
+                 mask_offsets_ptr="*i64", rows_from_ptr="*i32", rows_to_ptr="*i32", scale_log2="fp32")
     # 28 q heads over 4 kv heads: a group of 7 padded to 8, the least regular case.
     compile_kernel(kernel, types, dict(HEAD_DIM=128, HEAD_DIM_PAD=128, GROUP=7, GROUP_PAD=8, BLOCK_ROWS=8,
                                        BLOCK_KEYS=64, DOT_FP32=False), num_warps=4)

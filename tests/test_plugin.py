@@ -289,3 +289,45 @@ def test_gpu_tree_path_keeps_attention_and_the_cache_write_eager(monkeypatch):
     args = EngineArgs(model="m")
     use_gpu_tree_path(args)
     assert args.compilation_config.splitting_ops is None
+
+
+@pytest.mark.parametrize("model,config,env,named", [
+    ({"is_hybrid": True}, {}, "0", "hybrid"),
+    ({"uses_mrope": True}, {}, "0", "M-RoPE"),
+    ({}, {"kv_transfer_config": object()}, "0", "kv_transfer_config"),
+    ({}, {}, "1", "VLLM_USE_BREAKABLE_CUDAGRAPH=1"),
+    ({}, {}, "0", None),
+])
+def test_features_a_tree_step_would_get_wrong_are_refused(monkeypatch, model, config, env, named):
+    from types import SimpleNamespace
+
+    from vllm_ptd.integration.engine_args_patch import refuse_what_trees_cannot_carry
+
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", env)
+    model_config = SimpleNamespace(**{"is_hybrid": False, "uses_mrope": False, **model})
+    engine_config = SimpleNamespace(model_config=model_config,
+                                    **{"kv_transfer_config": None, **config})
+    if named is None:
+        refuse_what_trees_cannot_carry(engine_config)
+        return
+    with pytest.raises(ValueError, match=f"^vllm-ptd tree speculation cannot run with .*{named}"):
+        refuse_what_trees_cannot_carry(engine_config)
+
+
+@pytest.mark.parametrize("kwargs,named", [
+    ({"sliding_window": 128}, "a sliding window"), ({"logits_soft_cap": 30.0}, "soft-cap"),
+    ({"alibi_slopes": [0.5] * 4}, "ALiBi"), ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype 'fp8'"),
+    ({}, None)])
+def test_gpu_tree_attention_refuses_what_its_kernel_leaves_out(kwargs, named):
+    """vLLM's Triton kernel applies these to every row; the tree kernel that rewrites the
+    tree rows does not, so an engine that needs them is refused (built here on CPU: the
+    impl's constructor runs no kernel)."""
+    from vllm_ptd.integration.gpu_attention import TreeTritonAttentionImpl
+
+    args = {"num_heads": 4, "head_size": 64, "scale": 0.125, "num_kv_heads": 4,
+            "alibi_slopes": None, "sliding_window": None, "kv_cache_dtype": "auto", **kwargs}
+    if named is None:
+        TreeTritonAttentionImpl(**args)
+        return
+    with pytest.raises(ValueError, match=f"^vllm-ptd tree attention .*{named}"):
+        TreeTritonAttentionImpl(**args)

@@ -130,6 +130,27 @@ def keep_tree_ops_eager(compilation) -> None:
         setattr(passes, name, False)
 
 
+def refuse_what_trees_cannot_carry(config) -> None:
+    """Engine features a tree step would silently get wrong, refused with a line naming
+    them: a recurrent (hybrid) model advances its state along the tree rows in order, not
+    along the accepted path; M-RoPE models read their positions from a buffer the tree's
+    positions are not written to; a KV connector saves the step's cache before the
+    accepted rows are moved into place; breakable CUDA graphs capture the KV-cache write,
+    where the tree's K/V are kept."""
+    model = config.model_config
+    found = []
+    if getattr(model, "is_hybrid", False):
+        found.append("a hybrid (recurrent-state) model")
+    if getattr(model, "uses_mrope", False):
+        found.append("M-RoPE positions")
+    if getattr(config, "kv_transfer_config", None) is not None:
+        found.append("a KV connector (kv_transfer_config)")
+    if os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH", "0") == "1":
+        found.append("VLLM_USE_BREAKABLE_CUDAGRAPH=1")
+    if found:
+        raise ValueError(f"vllm-ptd tree speculation cannot run with {', '.join(found)}")
+
+
 class EngineArgsPatch(Patch):
     target = EngineArgs
 
@@ -163,6 +184,7 @@ class EngineArgsPatch(Patch):
             raise ValueError("vllm-ptd's tree verification lives in vLLM's V1 model runner, and "
                              "this engine would run the V2 one (VLLM_USE_V2_MODEL_RUNNER=1, or a "
                              "feature that needs it); unset VLLM_USE_V2_MODEL_RUNNER")
+        refuse_what_trees_cannot_carry(config)
         max_len = config.model_config.max_model_len
         k = vllm_spec["num_speculative_tokens"]
         if k + 1 > max_len:

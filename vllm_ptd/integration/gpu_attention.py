@@ -21,12 +21,32 @@ from vllm_ptd.kernels import tree_attention
 
 
 class TreeTritonAttentionImpl(TreeKVStashMixin, TritonAttentionImpl):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # what vLLM's kernel applies and the tree kernel does not: refused, not lost
+        features = {"ALiBi": self.alibi_slopes is not None,
+                    "a sliding window": tuple(self.sliding_window) != (-1, -1),
+                    "attention sinks": getattr(self, "sinks", None) is not None,
+                    "a logit soft-cap": bool(self.logits_soft_cap)}
+        used = [name for name, on in features.items() if on]
+        if used:
+            raise ValueError(f"vllm-ptd tree attention supports plain causal decoder attention; "
+                             f"this model uses {', '.join(used)}")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"vllm-ptd tree attention reads the KV cache in the model's dtype; "
+                             f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported (use "
+                             f"'auto')")
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                         output_scale, output_block_scale)
         step = self.tree_step
-        if step is None or attn_metadata is None or output_scale is not None:
+        if step is None or attn_metadata is None:
+            return output
+        if output_scale is not None:  # keep_tree_ops_eager turns the fusion off
+            raise RuntimeError("vllm-ptd: attention output quantization cannot carry tree rows")
+        if not step.has_masked_rows:  # every tree a chain: vLLM's causal rows are exact
             return output
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
         t = step.on_device(query.device)
@@ -34,7 +54,8 @@ class TreeTritonAttentionImpl(TreeKVStashMixin, TritonAttentionImpl):
         tree_attention(
             query.view(query.shape[0], self.num_heads, self.head_size), key_cache, value_cache,
             attn_metadata.block_table[t.batch_indices], t.context, t.row_start, t.node_offsets,
-            t.mask, self.scale, out=out, max_rows=step.max_rows)
+            t.mask, self.scale, out=out, max_rows=step.max_rows, rows_from=t.rows_from,
+            rows_to=t.rows_to)
         return output
 
 

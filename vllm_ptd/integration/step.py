@@ -27,6 +27,8 @@ class DeviceTensors(NamedTuple):
     node_offsets: torch.Tensor
     mask: TreeMask
     verify_rows: torch.Tensor
+    rows_from: torch.Tensor  # [T] int32, each tree's rows the tree kernel rewrites: from
+    rows_to: torch.Tensor    # [T] int32, ... to (``TreeStep.masked_rows``)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class TreeStep:
     # of the step needs them
     cpu_paths: dict = field(default_factory=dict)
     _mask: TreeMask | None = None
+    _has_masked_rows: bool | None = None
     _on_device: dict = field(default_factory=dict)
 
     @property
@@ -70,17 +73,34 @@ class TreeStep:
     def max_rows(self) -> int:
         return max(t.num_nodes for t in self.trees) + 1
 
+    @property
+    def masked_rows(self) -> list[tuple[int, int]]:
+        """Per tree, the rows (0: the root) whose mask is not the causal one: from the first
+        branch to ``causal_from``. The root, a leading chain and a causal tail are computed
+        exactly by the engine's own causal attention; an empty range needs no tree kernel."""
+        return [(1 + chain_prefix(t), 1 + t.causal_from) for t in self.trees]
+
+    @property
+    def has_masked_rows(self) -> bool:
+        """Whether any tree has such rows (asked by every attention layer: kept)."""
+        if self._has_masked_rows is None:
+            self._has_masked_rows = any(lo < hi for lo, hi in self.masked_rows)
+        return self._has_masked_rows
+
     def on_device(self, device) -> "DeviceTensors":
         """The step's index tensors and masks on ``device``, moved once per step and shared
         by every attention layer."""
         key = str(device)
         if key not in self._on_device:
+            lo, hi = zip(*self.masked_rows)
             self._on_device[key] = DeviceTensors(
                 batch_indices=torch.tensor(self.batch_indices, dtype=torch.int64, device=device),
                 context=self.context.to(device), row_start=self.row_start.to(device),
                 node_offsets=self.batch.offsets.to(device),
                 mask=TreeMask(self.mask.mask.to(device), self.mask.offsets.to(device)),
-                verify_rows=self.verify_rows.to(device))
+                verify_rows=self.verify_rows.to(device),
+                rows_from=torch.tensor(lo, dtype=torch.int32, device=device),
+                rows_to=torch.tensor(hi, dtype=torch.int32, device=device))
         return self._on_device[key]
 
 
