@@ -331,3 +331,17 @@ def test_gpu_tree_attention_refuses_what_its_kernel_leaves_out(kwargs, named):
         return
     with pytest.raises(ValueError, match=f"^vllm-ptd tree attention .*{named}"):
         TreeTritonAttentionImpl(**args)
+
+
+def test_installed_logits_processor_plugins_are_named(monkeypatch):
+    """vLLM drops them under any speculative method: the engine says so, naming them."""
+    import importlib.metadata as metadata
+    from types import SimpleNamespace
+
+    from vllm_ptd.integration.engine_args_patch import warn_of_dropped_logits_processors
+
+    assert warn_of_dropped_logits_processors() == []  # none installed here
+    fake = [SimpleNamespace(name="no_repeat"), SimpleNamespace(name="json_guard")]
+    monkeypatch.setattr(metadata, "entry_points",
+                        lambda group=None: fake if group == "vllm.logits_processors" else [])
+    assert warn_of_dropped_logits_processors() == ["json_guard", "no_repeat"]

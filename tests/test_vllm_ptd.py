@@ -158,6 +158,13 @@ def _edited_params(banned_word: str):
             SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3)]
 
 
+def _seeded_params():
+    from vllm import SamplingParams
+
+    return [SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=SAMPLE_TOKENS)
+            for i in range(SAMPLING_PROMPTS)]
+
+
 @pytest.fixture(scope="module")
 def plain(engine_env, model_path, tokenizer, work):
     """Greedy plain-decoding outputs of every baseline, from one engine (then shut down)."""
@@ -184,6 +191,9 @@ def plain(engine_env, model_path, tokenizer, work):
         got[("bad_word", 0)], got[("penalty", 0)] = [list(o.outputs[0].token_ids)
                                                      for o in edited]
         got["turns"] = two_turns(llm, work["turns"])
+        got["seeded"] = [list(o.outputs[0].token_ids) for o in llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in work["code"][:SAMPLING_PROMPTS]],
+            _seeded_params(), use_tqdm=False)]
         got["stopped"] = _stopped_requests(llm, work, got)
         got["structured"] = _structured_batch(llm, tokenizer, work)
         return got
@@ -279,25 +289,29 @@ class TestPTD:
         _flush(llm)
         assert _proposer(llm).num_tracked() == 0
 
-    def test_parallel_sampling_reproducible(self, llm, engine_env, work):
-        """n=2 (vLLM's parallel sampling: two child requests of one prompt), seeded: two
-        outputs, the same in a second run, trees walked, no state left behind."""
+    def test_parallel_sampling(self, llm, engine_env, work):
+        """n=2 (vLLM's parallel sampling: two child requests of one prompt): unseeded, both
+        children walk trees; seeded, they get none and a second run repeats them; no state
+        is left behind either way."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, n=2,
-                                max_tokens=SAMPLE_TOKENS)
+        prompt = [TokensPrompt(prompt_token_ids=work["code"][1])]
         runs = []
-        engine_env.mark()
-        for _ in range(2):
-            out = llm.generate([TokensPrompt(prompt_token_ids=work["code"][1])], params,
-                               use_tqdm=False)[0]
+        for seed in (None, 7, 7):
+            params = SamplingParams(temperature=0.8, top_p=0.9, seed=seed, n=2,
+                                    max_tokens=SAMPLE_TOKENS)
+            engine_env.mark()
+            out = llm.generate(prompt, params, use_tqdm=False)[0]
+            walked = [t for t in engine_env.since_mark() if t["verify"] > 0]
+            _flush(llm)
             runs.append([list(c.token_ids) for c in out.outputs])
-        walked = [t for t in engine_env.since_mark() if t["verify"] > 0]
-        _flush(llm)
-        assert len(runs[0]) == 2 and all(len(t) == SAMPLE_TOKENS for t in runs[0])
-        assert runs[0] == runs[1], "seeded parallel sampling with PTD is not reproducible"
-        assert walked, "no candidate tree was verified"
+            assert len(runs[-1]) == 2 and all(len(t) == SAMPLE_TOKENS for t in runs[-1])
+            if seed is None:
+                assert walked, "no candidate tree was verified while sampling"
+            else:
+                assert not walked, "a seeded sampled request got a tree"
+        assert runs[1] == runs[2], "seeded parallel sampling with PTD is not reproducible"
         assert _proposer(llm).num_tracked() == 0
 
     def test_second_turn_on_cached_blocks_equals_plain(self, llm, plain, work):
@@ -375,25 +389,40 @@ class TestPTD:
             assert got[:-1] == ref_steps[:-1]
             assert got[-1][:2] == ref_steps[-1][:2] and got[-1][2] >= ref_steps[-1][2]
 
-    def test_seeded_sampling_reproducible_and_walks_trees(self, llm, engine_env, work):
+    def test_sampling_walks_trees_and_seeded_sampling_equals_plain(self, llm, engine_env,
+                                                                   plain, work):
+        """Sampling without a seed walks trees and accepts from them. A seeded sampled
+        request gets no tree (its draws would follow tree shapes the budget sizes from
+        measured times): beside greedy requests that do, its text is plain decoding's for
+        the same seed, run after run."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=p) for p in work["code"][:SAMPLING_PROMPTS]]
-        params = [SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i,
-                                 max_tokens=SAMPLE_TOKENS) for i in range(len(prompts))]
-        runs, traces = [], []
-        for _ in range(2):
-            engine_env.mark()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            traces.append(engine_env.since_mark())
-            runs.append([list(o.outputs[0].token_ids) for o in outs])
+        engine_env.mark()
+        outs = llm.generate(prompts, SamplingParams(temperature=0.8, top_p=0.9,
+                                                    max_tokens=SAMPLE_TOKENS), use_tqdm=False)
+        walked = [t for t in engine_env.since_mark() if t["verify"] > 0]
         _flush(llm)
-        assert all(len(t) == SAMPLE_TOKENS for t in runs[0])
-        assert runs[0] == runs[1], "seeded sampling with PTD is not reproducible"
-        walked = [t for tr in traces for t in tr if t["verify"] > 0]
+        assert all(len(o.outputs[0].token_ids) == SAMPLE_TOKENS for o in outs)
         assert walked, "no candidate tree was verified while sampling"
         assert any(t["accepted"] > 0 for t in walked), "the sampling walk never accepted"
+
+        greedy = [TokensPrompt(prompt_token_ids=p) for p in work["mixed"][:2]]
+        params = _seeded_params() + [SamplingParams(temperature=0, max_tokens=SAMPLE_TOKENS)] * 2
+        for _ in range(2):
+            engine_env.mark()
+            outs = llm.generate(prompts + greedy, params, use_tqdm=False)
+            trace = engine_env.since_mark()
+            _flush(llm)
+            # the engine's request ids are the output's plus "-<random suffix>"
+            traced = {t["req"].rsplit("-", 1)[0] for t in trace if t["verify"] > 0}
+            assert not traced & {o.request_id for o in outs[:SAMPLING_PROMPTS]}, \
+                "a seeded request got a tree"
+            assert traced & {o.request_id for o in outs[SAMPLING_PROMPTS:]}, \
+                "the greedy requests beside got no tree"
+            assert [list(o.outputs[0].token_ids) for o in outs[:SAMPLING_PROMPTS]] \
+                == plain["seeded"]
         assert _proposer(llm).num_tracked() == 0
 
     def test_disable_by_batch_size_turns_trees_off_in_large_batches(self, llm, engine_env,

@@ -151,6 +151,21 @@ def refuse_what_trees_cannot_carry(config) -> None:
         raise ValueError(f"vllm-ptd tree speculation cannot run with {', '.join(found)}")
 
 
+def warn_of_dropped_logits_processors() -> list[str]:
+    """Logits-processor plugins installed (entry points ``vllm.logits_processors``) act on
+    every request in plain decoding; vLLM does not load them once any speculative method is
+    configured (``logits_processors=`` it refuses outright), so outputs would differ from
+    plain decoding's without a word. Says so, naming them; returns their names."""
+    from importlib.metadata import entry_points
+
+    names = sorted(e.name for e in entry_points(group="vllm.logits_processors"))
+    if names:
+        logger.warning("vllm-ptd: the logits-processor plugins %s are installed, and vLLM does "
+                       "not apply them with speculative decoding: outputs will differ from "
+                       "plain decoding with them", ", ".join(names))
+    return names
+
+
 class EngineArgsPatch(Patch):
     target = EngineArgs
 
@@ -185,6 +200,7 @@ class EngineArgsPatch(Patch):
                              "this engine would run the V2 one (VLLM_USE_V2_MODEL_RUNNER=1, or a "
                              "feature that needs it); unset VLLM_USE_V2_MODEL_RUNNER")
         refuse_what_trees_cannot_carry(config)
+        warn_of_dropped_logits_processors()
         max_len = config.model_config.max_model_len
         k = vllm_spec["num_speculative_tokens"]
         if k + 1 > max_len:

@@ -101,15 +101,23 @@ def _eos_ids(model_config) -> list[int]:
 
 def _speculation_allowed(params) -> bool:
     """Tree walks implement temperature/top-p/top-k; requests asking for what they do not
-    (logprobs, penalties, logit processors, structured output) decode without a tree."""
+    (logprobs, penalties, logit processors, structured output, a thinking budget, whose
+    end vLLM's sampler forces) decode without a tree. So does a seeded request that
+    samples: its draws would follow the shapes of its trees, which the budget sizes from
+    measured times, and the same seed must give the same text (without a tree its draws
+    are plain decoding's)."""
     if params is None:
         return False
+    seeded_sampling = params.seed is not None and params.temperature >= GREEDY_EPS
     return (params.logprobs is None and params.prompt_logprobs is None
+            and getattr(params, "logprob_token_ids", None) is None
             and not params.presence_penalty and not params.frequency_penalty
             and params.repetition_penalty == 1.0 and not params.bad_words
             and not params.logit_bias and not params.allowed_token_ids
             and not params.min_tokens and params.structured_outputs is None
-            and not getattr(params, "min_p", 0.0))
+            and not getattr(params, "min_p", 0.0)
+            and getattr(params, "thinking_token_budget", None) is None
+            and not seeded_sampling)
 
 
 def _plain_argmax_samples(sm, spec_meta, rows_b: list[int]) -> bool:
