@@ -335,6 +335,7 @@ def test_accepted_rows_move_from_a_copy_not_the_forward_buffer():
     impl.tree_channel.open(step)
     impl.do_kv_cache_update(layer, key, value, parts[0], slot_mapping)
     impl.tree_channel.close()
+    assert step._mask is None  # the stash builds no tree masks (only the GPU kernel reads them)
     key.fill_(float("nan"))    # what a compiled graph does with a freed buffer
     value.fill_(float("nan"))
     paths = [[1, 2, 3], [2]]   # a: nodes 1 -> 2 -> 3; b: node 2 (a child of the root)
