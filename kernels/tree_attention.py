@@ -139,7 +139,7 @@ if HAVE_TRITON:
         # the rows this request has written (the others are the engine kernel's, exact)
         rows_lo = tl.load(rows_from_ptr + req)
         rows_hi = tl.minimum(tl.load(rows_to_ptr + req), num_rows)
-        if (first_row < rows_hi) & (first_row + BLOCK_ROWS > rows_lo):
+        if (rows_lo < rows_hi) & (first_row < rows_hi) & (first_row + BLOCK_ROWS > rows_lo):
             ctx = tl.load(context_lens_ptr + req)
             query_start = tl.load(query_starts_ptr + req)
 

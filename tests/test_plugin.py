@@ -317,13 +317,18 @@ def test_features_a_tree_step_would_get_wrong_are_refused(monkeypatch, model, co
 @pytest.mark.parametrize("kwargs,named", [
     ({"sliding_window": 128}, "a sliding window"), ({"logits_soft_cap": 30.0}, "soft-cap"),
     ({"alibi_slopes": [0.5] * 4}, "ALiBi"), ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype 'fp8'"),
-    ({}, None)])
+    ({"sinks": "per head"}, "attention sinks"), ({"chunk_lookback": 64}, "chunked local"),
+    ({"kv_cache_dtype": "bfloat16"}, None), ({}, None)])
 def test_gpu_tree_attention_refuses_what_its_kernel_leaves_out(kwargs, named):
     """vLLM's Triton kernel applies these to every row; the tree kernel that rewrites the
     tree rows does not, so an engine that needs them is refused (built here on CPU: the
     impl's constructor runs no kernel)."""
     from vllm_ptd.integration.gpu_attention import TreeTritonAttentionImpl
 
+    import torch
+
+    if kwargs.get("sinks") == "per head":
+        kwargs = {**kwargs, "sinks": torch.zeros(4)}
     args = {"num_heads": 4, "head_size": 64, "scale": 0.125, "num_kv_heads": 4,
             "alibi_slopes": None, "sliding_window": None, "kv_cache_dtype": "auto", **kwargs}
     if named is None:
@@ -345,3 +350,18 @@ def test_installed_logits_processor_plugins_are_named(monkeypatch):
     monkeypatch.setattr(metadata, "entry_points",
                         lambda group=None: fake if group == "vllm.logits_processors" else [])
     assert warn_of_dropped_logits_processors() == ["json_guard", "no_repeat"]
+
+
+def test_a_requests_record_counts_the_offered_nodes():
+    """The per-request record counts at most the step's offered (verify) nodes, skips a
+    step that offered none, and counts as vLLM's own without an offer set."""
+    from vllm_ptd.integration.scheduler_patch import TreeRequestSpecDecodeMetrics
+
+    record = TreeRequestSpecDecodeMetrics.new(8)
+    record.offered = 3
+    record.observe(num_draft_tokens=7, num_accepted=2)   # 3 offered of 7 scheduled
+    record.offered = 0
+    record.observe(num_draft_tokens=4, num_accepted=0)   # draft rows only: not a draft
+    record.observe(num_draft_tokens=5, num_accepted=1)   # no offer set: vLLM's count
+    assert record.num_draft_tokens == 3 + 5
+    assert record.histogram[:3] == [0, 1, 1] and sum(record.histogram) == 2

@@ -77,7 +77,8 @@ def use_gpu_tree_path(args: EngineArgs) -> None:
     config then calls enum methods on it."""
     from vllm.config import CUDAGraphMode
 
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    # (the V1 runner needs no setting: vLLM runs a custom_class proposer on it, and an
+    # engine that would run the V2 one is refused once its config is built)
     config_backend = getattr(args.attention_config, "backend", None)
     for name, asked in (("attention_backend", args.attention_backend),
                         ("attention_config.backend", config_backend)):

@@ -3,7 +3,8 @@
 vLLM's ``unified_attention`` has no per-request mask (its ``qq_bias`` is one [Q, Q] bias for
 the whole batch, and no backend passes it), so, as on CPU, the step runs vLLM's kernel for
 every row and then the project's Triton kernel ``vllm_ptd.kernels.tree_attention`` rewrites
-the tree rows over the paged cache with each request's ancestor mask. Both run inside the
+the tree rows whose mask is not the causal one (``TreeStep.masked_rows``) over the paged
+cache with each request's ancestor mask. Both run inside the
 attention custom op, so PIECEWISE CUDA graphs (set by EngineArgsPatch) keep this Python
 path live every step; FULL graphs would freeze it and are turned off.
 
@@ -14,10 +15,17 @@ torch twin under ``TRITON_INTERPRET=1`` on small paged caches.
 """
 from __future__ import annotations
 
+from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
 
 from vllm_ptd.integration.kv_stash import TreeKVStashMixin
 from vllm_ptd.kernels import tree_attention
+
+
+# KV-cache dtypes that store K/V as the model computes them (vLLM refuses a float cache
+# dtype other than the model's): what the tree kernel reads; fp8 and other quantized
+# caches it does not descale
+MODEL_DTYPE_CACHES = ("auto", "bfloat16", "float16", "half", "float", "float32")
 
 
 class TreeTritonAttentionImpl(TreeKVStashMixin, TritonAttentionImpl):
@@ -27,12 +35,15 @@ class TreeTritonAttentionImpl(TreeKVStashMixin, TritonAttentionImpl):
         features = {"ALiBi": self.alibi_slopes is not None,
                     "a sliding window": tuple(self.sliding_window) != (-1, -1),
                     "attention sinks": getattr(self, "sinks", None) is not None,
-                    "a logit soft-cap": bool(self.logits_soft_cap)}
+                    "a logit soft-cap": bool(self.logits_soft_cap),
+                    "chunked local attention": getattr(self, "chunk_lookback", -1) != -1,
+                    "non-decoder attention": getattr(self, "attn_type",
+                                                     AttentionType.DECODER) != AttentionType.DECODER}
         used = [name for name, on in features.items() if on]
         if used:
             raise ValueError(f"vllm-ptd tree attention supports plain causal decoder attention; "
                              f"this model uses {', '.join(used)}")
-        if self.kv_cache_dtype != "auto":
+        if self.kv_cache_dtype not in MODEL_DTYPE_CACHES:
             raise ValueError(f"vllm-ptd tree attention reads the KV cache in the model's dtype; "
                              f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported (use "
                              f"'auto')")

@@ -42,8 +42,8 @@ class TreeDraftTokenIds(DraftTokenIds):
 class TreeRequestSpecDecodeMetrics(RequestSpecDecodeMetrics):
     """A request's own spec-decode record that counts, like the scheduler's stats, the
     candidate nodes offered: ``offered`` is set for the step by ``make_spec_decoding_stats``,
-    which vLLM calls right before it records the step here. It travels to the front end
-    as vLLM's class (its fields are vLLM's)."""
+    which vLLM calls right before it records the step here. Its fields are vLLM's: from an
+    engine-core process it reaches the front end as vLLM's class, in-process as itself."""
 
     offered: int | None = None
 
