@@ -42,7 +42,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from vllm_ptd.integration.kv_stash import TreeKVStashMixin
-from vllm_ptd.integration.step import TreeStep, chain_prefix
+from vllm_ptd.integration.step import TreeStep
 
 
 @dataclass
@@ -76,9 +76,8 @@ def path_requests(step: TreeStep, block_table: torch.Tensor, slot_mapping: torch
     slots = slot_mapping.tolist()
     rounds: list[dict] = []
     restore: dict[int, int] = {}
-    for i, tree in enumerate(step.trees):
-        # rows before the first branch and from causal_from on are exact causal rows already
-        lo, hi = chain_prefix(tree), tree.causal_from
+    for i, (tree, (row_lo, row_hi)) in enumerate(zip(step.trees, step.masked_rows)):
+        lo, hi = row_lo - 1, row_hi - 1  # as node indices: [lo, hi) need the tree mask
         if lo >= hi:
             continue
         c, r0 = int(step.context[i]), int(step.row_start[i])

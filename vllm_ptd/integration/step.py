@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -50,7 +51,6 @@ class TreeStep:
     # of the step needs them
     cpu_paths: dict = field(default_factory=dict)
     _mask: TreeMask | None = None
-    _has_masked_rows: bool | None = None
     _on_device: dict = field(default_factory=dict)
     _verify_rows_on: dict = field(default_factory=dict)
 
@@ -82,19 +82,18 @@ class TreeStep:
     def max_rows(self) -> int:
         return max(t.num_nodes for t in self.trees) + 1
 
-    @property
+    @cached_property
     def masked_rows(self) -> list[tuple[int, int]]:
         """Per tree, the rows (0: the root) whose mask is not the causal one: from the first
         branch to ``causal_from``. The root, a leading chain and a causal tail are computed
-        exactly by the engine's own causal attention; an empty range needs no tree kernel."""
+        exactly by the engine's own causal attention (the CPU backend recomputes the rows
+        between, the GPU tree kernel rewrites them); an empty range needs neither."""
         return [(1 + chain_prefix(t), 1 + t.causal_from) for t in self.trees]
 
-    @property
+    @cached_property
     def has_masked_rows(self) -> bool:
-        """Whether any tree has such rows (asked by every attention layer: kept)."""
-        if self._has_masked_rows is None:
-            self._has_masked_rows = any(lo < hi for lo, hi in self.masked_rows)
-        return self._has_masked_rows
+        """Whether any tree has such rows (asked by every attention layer)."""
+        return any(lo < hi for lo, hi in self.masked_rows)
 
     def on_device(self, device) -> "DeviceTensors":
         """The step's index tensors and masks on ``device``, moved once per step and shared
