@@ -53,7 +53,7 @@ def grouped_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return o.view(hkv, rep, m, d).permute(2, 0, 1, 3).reshape(m, hq, d)
 
 
-def _impl(num_heads: int, dtype=torch.float32, isa: str = "vec"):
+def _impl(num_heads: int, dtype=torch.float32, isa: str = "vec", **features):
     from types import SimpleNamespace
 
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -62,11 +62,18 @@ def _impl(num_heads: int, dtype=torch.float32, isa: str = "vec"):
 
     config = VllmConfig()
     config.model_config = SimpleNamespace(dtype=dtype)  # all the impl reads of it
+    args = dict(num_heads=num_heads, head_size=D, scale=D ** -0.5, num_kv_heads=KVH,
+                alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto", **features)
     with set_current_vllm_config(config):
-        impl = TreeCPUAttentionImpl(num_heads=num_heads, head_size=D, scale=D ** -0.5,
-                                    num_kv_heads=KVH, alibi_slopes=None, sliding_window=None,
-                                    kv_cache_dtype="auto")
+        impl = TreeCPUAttentionImpl(**args)
     return impl, SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
+
+
+@pytest.mark.parametrize("features,named", [({"sliding_window": 128}, "a sliding window"),
+                                            ({"logits_soft_cap": 30.0}, "soft-cap")])
+def test_cpu_tree_attention_refuses_what_its_paths_leave_out(features, named):
+    with pytest.raises(ValueError, match=f"^vllm-ptd tree attention .*{named}"):
+        _impl(4, **features)
 
 
 def _caches(num_blocks, dtype):

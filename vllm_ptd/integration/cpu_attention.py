@@ -151,10 +151,7 @@ def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class TreeCPUAttentionImpl(TreeKVStashMixin, CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if self.alibi_slopes is not None or self.sliding_window != -1 or self.sinks is not None \
-                or self.logits_soft_cap:
-            raise ValueError("vllm-ptd tree attention supports plain causal decoder attention "
-                             "(no ALiBi, sliding window, sinks or logit soft-cap)")
+        self.refuse_what_tree_rows_leave_out()
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):

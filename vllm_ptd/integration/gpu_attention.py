@@ -15,7 +15,6 @@ torch twin under ``TRITON_INTERPRET=1`` on small paged caches.
 """
 from __future__ import annotations
 
-from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
 
 from vllm_ptd.integration.kv_stash import TreeKVStashMixin
@@ -31,18 +30,7 @@ MODEL_DTYPE_CACHES = ("auto", "bfloat16", "float16", "half", "float", "float32")
 class TreeTritonAttentionImpl(TreeKVStashMixin, TritonAttentionImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # what vLLM's kernel applies and the tree kernel does not: refused, not lost
-        features = {"ALiBi": self.alibi_slopes is not None,
-                    "a sliding window": tuple(self.sliding_window) != (-1, -1),
-                    "attention sinks": getattr(self, "sinks", None) is not None,
-                    "a logit soft-cap": bool(self.logits_soft_cap),
-                    "chunked local attention": getattr(self, "chunk_lookback", -1) != -1,
-                    "non-decoder attention": getattr(self, "attn_type",
-                                                     AttentionType.DECODER) != AttentionType.DECODER}
-        used = [name for name, on in features.items() if on]
-        if used:
-            raise ValueError(f"vllm-ptd tree attention supports plain causal decoder attention; "
-                             f"this model uses {', '.join(used)}")
+        self.refuse_what_tree_rows_leave_out()
         if self.kv_cache_dtype not in MODEL_DTYPE_CACHES:
             raise ValueError(f"vllm-ptd tree attention reads the KV cache in the model's dtype; "
                              f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported (use "

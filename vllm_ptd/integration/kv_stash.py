@@ -37,6 +37,27 @@ class TreeKVStashMixin:
 
     tree_channel: StepChannel | None = None
 
+    def refuse_what_tree_rows_leave_out(self) -> None:
+        """Call at the end of ``__init__``: attention features vLLM's kernel applies to every
+        row and the tree rows' path does not are refused, not lost (the tree rows attend
+        causally over prefix and ancestors, nothing else)."""
+        from vllm.v1.attention.backend import AttentionType
+
+        window = getattr(self, "sliding_window", None)  # CPU: -1 for none; Triton: (-1, -1)
+        if isinstance(window, tuple):
+            window = window[0]
+        features = {"ALiBi": getattr(self, "alibi_slopes", None) is not None,
+                    "a sliding window": window not in (None, -1),
+                    "attention sinks": getattr(self, "sinks", None) is not None,
+                    "a logit soft-cap": bool(getattr(self, "logits_soft_cap", 0)),
+                    "chunked local attention": getattr(self, "chunk_lookback", -1) != -1,
+                    "non-decoder attention": getattr(self, "attn_type", AttentionType.DECODER)
+                    != AttentionType.DECODER}
+        used = [name for name, on in features.items() if on]
+        if used:
+            raise ValueError(f"vllm-ptd tree attention supports plain causal decoder attention; "
+                             f"this model uses {', '.join(used)}")
+
     @property
     def tree_step(self):
         return self.tree_channel.step if self.tree_channel is not None else None
