@@ -62,8 +62,8 @@ def _impl(num_heads: int, dtype=torch.float32, isa: str = "vec", **features):
 
     config = VllmConfig()
     config.model_config = SimpleNamespace(dtype=dtype)  # all the impl reads of it
-    args = dict(num_heads=num_heads, head_size=D, scale=D ** -0.5, num_kv_heads=KVH,
-                alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto", **features)
+    args = {"num_heads": num_heads, "head_size": D, "scale": D ** -0.5, "num_kv_heads": KVH,
+            "alibi_slopes": None, "sliding_window": None, "kv_cache_dtype": "auto", **features}
     with set_current_vllm_config(config):
         impl = TreeCPUAttentionImpl(**args)
     return impl, SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
