@@ -296,6 +296,7 @@ def test_gpu_tree_path_keeps_attention_and_the_cache_write_eager(monkeypatch):
     ({"uses_mrope": True}, {}, "0", "M-RoPE"),
     ({}, {"kv_transfer_config": object()}, "0", "kv_transfer_config"),
     ({}, {}, "1", "VLLM_USE_BREAKABLE_CUDAGRAPH=1"),
+    ({}, {"use_v2_model_runner": True}, "0", "V2 model runner"),
     ({}, {}, "0", None),
 ])
 def test_features_a_tree_step_would_get_wrong_are_refused(monkeypatch, model, config, env, named):
@@ -308,10 +309,10 @@ def test_features_a_tree_step_would_get_wrong_are_refused(monkeypatch, model, co
     engine_config = SimpleNamespace(model_config=model_config,
                                     **{"kv_transfer_config": None, **config})
     if named is None:
-        refuse_what_trees_cannot_carry(engine_config)
+        refuse_what_trees_cannot_carry(engine_config, "cuda")
         return
     with pytest.raises(ValueError, match=f"^vllm-ptd tree speculation cannot run with .*{named}"):
-        refuse_what_trees_cannot_carry(engine_config)
+        refuse_what_trees_cannot_carry(engine_config, "cuda")
 
 
 @pytest.mark.parametrize("kwargs,named", [

@@ -131,15 +131,19 @@ def keep_tree_ops_eager(compilation) -> None:
         setattr(passes, name, False)
 
 
-def refuse_what_trees_cannot_carry(config) -> None:
+def refuse_what_trees_cannot_carry(config, device: str = "cpu") -> None:
     """Engine features a tree step would silently get wrong, refused with a line naming
-    them: a recurrent (hybrid) model advances its state along the tree rows in order, not
+    them: on GPU, vLLM's V2 model runner, which the runner patches do not reach (CPU engines
+    run their own runner); a recurrent (hybrid) model advances its state along the tree rows in order, not
     along the accepted path; M-RoPE models read their positions from a buffer the tree's
     positions are not written to; a KV connector saves the step's cache before the
     accepted rows are moved into place; breakable CUDA graphs capture the KV-cache write,
     where the tree's K/V are kept."""
     model = config.model_config
     found = []
+    if device == "cuda" and getattr(config, "use_v2_model_runner", False):
+        found.append("vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1, or a feature that "
+                     "needs it)")
     if getattr(model, "is_hybrid", False):
         found.append("a hybrid (recurrent-state) model")
     if getattr(model, "uses_mrope", False):
@@ -196,11 +200,7 @@ class EngineArgsPatch(Patch):
         if device == "cuda":
             use_gpu_tree_path(self)
         config = orig(self, *args, **kwargs)
-        if device == "cuda" and getattr(config, "use_v2_model_runner", False):
-            raise ValueError("vllm-ptd's tree verification lives in vLLM's V1 model runner, and "
-                             "this engine would run the V2 one (VLLM_USE_V2_MODEL_RUNNER=1, or a "
-                             "feature that needs it); unset VLLM_USE_V2_MODEL_RUNNER")
-        refuse_what_trees_cannot_carry(config)
+        refuse_what_trees_cannot_carry(config, device)
         warn_of_dropped_logits_processors()
         max_len = config.model_config.max_model_len
         k = vllm_spec["num_speculative_tokens"]
