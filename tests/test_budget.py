@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from vllm_ptd.budget import (AcceptanceModel, Calibration, StepCostModel, TreeBudget, allocate,
-                             kept_branching, makespan_lead, makespan_weights, monotone)
+from vllm_ptd.budget import (REALIZED_MARGIN, AcceptanceModel, Calibration, StepCostModel,
+                             TreeBudget, allocate, kept_branching, makespan_lead, makespan_weights, monotone)
 from vllm_ptd.tree import FlatTree
 
 
@@ -400,6 +400,66 @@ def test_a_failed_try_is_paused_for_what_it_caught_up_on_too():
     assert pauses[0] >= 5 and pauses[1] >= 2.5 * pauses[0]
 
 
+def tree_step_came_out(budget: TreeBudget, requests: int, nodes: int, accepted: int,
+                       ms: float) -> None:
+    """What the engine reports after a decode-only step whose trees the budget sized."""
+    budget.observe_step(requests + nodes, ms, 0.0, trees=1, requests=requests, nodes=nodes,
+                        predicted_ms=ms, taken_ms=ms, accepted=accepted)
+
+
+def test_drafting_stops_where_what_it_brought_does_not_beat_its_cost():
+    """Trees that look as if they pay are sent, but a batch size where what their accepted
+    tokens saved, measured, comes to no more than what drafting and their rows cost stops
+    drafting (every proposal there counts as a miss), while another batch size whose trees
+    paid goes on; drafting is tried again now and then, and resumes once trees pay."""
+    cost = linear_cost(50.0, 1.0)
+    cost.observe(4, 53.0, 0.0, requests=4, nodes=0)  # a plain step of 4 requests measured
+    budget = TreeBudget(cost)
+    sure = FlatTree([1], [-1], scores=[0.95], groups=[0])
+    # at 4 requests each tree step takes 12 ms beyond a plain one (53 ms) and brings one
+    # token (53 / 4 ms saved), and a proposal costs 2 ms: estimated to pay, it breaks even
+    assert budget.realized.pays(4, 53.0)  # nothing measured yet: drafting starts
+    tries, sent = 0, 0
+    for _ in range(400):
+        if not budget.should_draft():  # a plain step
+            budget.observe_step(4, 53.0, 0.0, trees=0, requests=4, nodes=0, predicted_ms=0.0,
+                                taken_ms=53.0)
+            continue
+        tries += 1
+        kept = budget.size(["a", "b", "c", "d"], [sure] * 4, base_rows=4, num_requests=4,
+                           drafting_ms=2.0)
+        if any(t.num_nodes for t in kept):
+            sent += 1
+            tree_step_came_out(budget, requests=4, nodes=sum(t.num_nodes for t in kept),
+                               accepted=1, ms=65.0)
+    assert budget.realized.gain(4, 53.0) < 1.0 + REALIZED_MARGIN
+    assert budget.last.pays  # the estimates still say it pays ...
+    assert 5 <= tries <= 60 and sent >= 5  # ... but drafting stopped: tries now and then
+    # at batch 1 the same trees pay (one token saves a 50 ms step for 1 ms of row and 2 ms
+    # of drafting): its record is its own, and once the pause in flight is over drafting
+    # there goes on every step
+    drafted = []
+    for _ in range(100):
+        drafted.append(budget.should_draft())
+        if drafted[-1]:
+            budget.size(["r"], [sure], base_rows=1, num_requests=1, drafting_ms=2.0)
+            tree_step_came_out(budget, requests=1, nodes=1, accepted=1, ms=51.0)
+        else:
+            budget.observe_step(1, 50.0, 0.0, trees=0, requests=1, nodes=0, predicted_ms=0.0,
+                                taken_ms=50.0)
+    assert budget.realized.pays(1, 50.0) and all(drafted[-30:])
+    # once trees at 4 requests bring what they cost many times over, drafting resumes there
+    for _ in range(200):
+        if budget.should_draft():
+            budget.size(["a", "b", "c", "d"], [sure] * 4, base_rows=4, num_requests=4,
+                        drafting_ms=2.0)
+            tree_step_came_out(budget, requests=4, nodes=4, accepted=4, ms=57.0)
+        else:
+            budget.observe_step(4, 53.0, 0.0, trees=0, requests=4, nodes=0,
+                                predicted_ms=0.0, taken_ms=53.0)
+    assert budget.realized.pays(4, 53.0) and budget.should_draft()
+
+
 def test_a_miss_among_tries_that_mostly_pay_hardly_pauses_drafting():
     """The pause after a miss counts only the share of tries that miss at that batch size:
     where nearly every try pays, one miss costs a step or two; at a batch size whose tries
@@ -411,6 +471,7 @@ def test_a_miss_among_tries_that_mostly_pay_hardly_pauses_drafting():
     for _ in range(40):
         budget.size(["r"], [sure], base_rows=1, num_requests=1, drafting_ms=10.0)
         assert budget.last.pays and budget.should_draft()
+        tree_step_came_out(budget, requests=1, nodes=1, accepted=1, ms=51.0)
     budget.size(["r"], [hopeless], base_rows=1, num_requests=1, drafting_ms=10.0)
     paused = 0
     while not budget.should_draft():

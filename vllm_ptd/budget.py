@@ -49,6 +49,9 @@ from vllm_ptd.tree import FlatTree, node_depths
 
 # a tree is sent only when its expected tokens per ms beat plain decoding's by this share
 MARGIN = 0.03
+# drafting goes on at a batch size only while the milliseconds its accepted tokens saved
+# there, measured, beat what drafting and the tree rows cost by this share (RealizedGain)
+REALIZED_MARGIN = 0.3
 # bins of a method's own conditional score (the probability it gives a node given its parent)
 SCORE_BINS = (0.1, 0.25, 0.5, 0.75, 0.9)
 # engine-wide evidence (acceptance counts, calibration sums) fades by a factor e over this
@@ -782,6 +785,75 @@ class Calibration:
         return self._ratio(self.tokens, requests)
 
 
+class RealizedGain:
+    """What drafting has brought at each batch size (``StepCostModel.batch_bucket``),
+    measured on the engine's own steps rather than estimated: the milliseconds its accepted
+    tokens saved (each at a plain step's ms per token of its batch size) against the
+    milliseconds it cost (every proposal's drafting, the rows it caught up on included, and
+    each decode-only tree step's time beyond a plain step). ``pays`` says whether the
+    savings beat the cost by ``REALIZED_MARGIN``.
+
+    Why a margin on what was measured, besides the budget's estimates: the budget sends a
+    tree when its estimate beats a plain step with drafting counted, and calibrates those
+    estimates on outcomes; where trees only break even that way, what its step accounting
+    does not see decides. At 4 requests in bf16 here PCTree's trees and drafting came out
+    at 1.000x its own plain steps (savings 2.0 s against 2.0 s of cost), and its engine ran
+    at 0.92x plain decoding against 0.98x with the same engine sending no tree (closed
+    batches in separate engine processes): the requests the trees sped up left the batch
+    early and its slowest decoded alone for longer (its steps of one and two requests took
+    4.5 s against 2.5 s), and its plain steps ran 2 % slower. Where trees paid on every
+    run the savings were 1.5-2.2x the cost (PCTree and PTD at 4 requests in fp32, PTD at 4
+    in bf16, served or offline); where they broke even or lost, 0.75-1.25x (PCTree at 4
+    requests in bf16, PTD at 16 in bf16, whose servers ran at 0.94-1.03x plain decoding).
+
+    Sums fade as ``Calibration``'s do (each tree step weighs the earlier ones down by
+    ``1 - 1 / MEMORY``, every engine step by ``1 - 1 / STEP_MEMORY``), and a batch size
+    starts from ``PRIOR_STEPS`` plain steps of cost at a gain of ``1 + 2 * REALIZED_MARGIN``:
+    drafting starts everywhere, and where it stopped paying it is tried again now and then
+    (``TreeBudget``'s pauses after misses) and resumes once what it brings shows."""
+
+    PRIOR_STEPS = 1.0
+    MEMORY = 64
+
+    def __init__(self, clock: EngineClock | None = None) -> None:
+        # bucket -> [saved ms, cost ms, engine step of the last update]
+        self.sums: dict[int, list[float]] = {}
+        self.clock = clock or EngineClock()
+
+    def _add(self, requests: int, saved_ms: float, cost_ms: float, keep: float) -> None:
+        bucket = StepCostModel.batch_bucket(requests)
+        cell = self.sums.get(bucket)
+        sums = faded(cell[:2], int(cell[2]), self.clock.steps) if cell is not None else [0.0, 0.0]
+        self.sums[bucket] = [sums[0] * keep + saved_ms, sums[1] * keep + cost_ms,
+                             float(self.clock.steps)]
+
+    def observe_drafting(self, requests: int, ms: float) -> None:
+        """A proposal for a batch of ``requests`` took ``ms`` (catch-up included)."""
+        if ms > 0:
+            self._add(requests, 0.0, ms, 1.0)
+
+    def observe_tree_step(self, requests: int, accepted: int, taken_ms: float,
+                          plain_ms: float) -> None:
+        """A decode-only step of ``requests`` with trees took ``taken_ms`` (drafting left
+        out) and gained ``accepted`` tokens; a plain step of that batch takes ``plain_ms``."""
+        if requests > 0 and plain_ms > 0:
+            self._add(requests, accepted * plain_ms / requests, taken_ms - plain_ms,
+                      1.0 - 1.0 / self.MEMORY)
+
+    def gain(self, requests: int, plain_ms: float) -> float:
+        """Saved over cost at this batch size, the prior counted (``plain_ms``: a plain
+        step of it, the prior's scale)."""
+        prior_cost = self.PRIOR_STEPS * max(plain_ms, 1e-6)
+        prior_saved = prior_cost * (1.0 + 2.0 * REALIZED_MARGIN)
+        cell = self.sums.get(StepCostModel.batch_bucket(requests))
+        saved, cost = (faded(cell[:2], int(cell[2]), self.clock.steps)
+                       if cell is not None else (0.0, 0.0))
+        return (saved + prior_saved) / max(cost + prior_cost, 1e-6)
+
+    def pays(self, requests: int, plain_ms: float) -> bool:
+        return self.gain(requests, plain_ms) >= 1.0 + REALIZED_MARGIN
+
+
 class TreeBudget:
     """Sizes a step's trees (``size``) and decides whether drafting is worth running at all
     (``should_draft``), as n-gram drafting sends nothing when nothing matches. A proposal
@@ -804,9 +876,12 @@ class TreeBudget:
       55 ms in three rounds, none followed by a tree), while 1.5 % regardless of its hits
       (with a margin on ``pays``) held its chain at batch 1 to 1.20x from 1.37x;
     * after ``MISSES`` misses in a row drafting also pauses for 2, 4, ... up to
-      ``MAX_PAUSE`` steps.
+      ``MAX_PAUSE`` steps;
+    * a proposal counts as a miss, whatever its estimate, while what drafting brought at
+      this batch size, measured, does not beat what it cost by ``REALIZED_MARGIN``
+      (``RealizedGain``): its trees still go out, and show whether that has changed.
 
-    A proposal that pays ends both."""
+    A proposal that pays ends both pauses."""
 
     MISSES = 4
     MAX_PAUSE = 64
@@ -824,6 +899,7 @@ class TreeBudget:
         self.acceptance = acceptance or AcceptanceModel()
         self.acceptance.clock = self.clock
         self.calibration = Calibration(self.clock)
+        self.realized = RealizedGain(self.clock)
         self._misses = 0
         self._pause = 1
         self._skip = 0
@@ -921,7 +997,9 @@ class TreeBudget:
                          self.calibration.token_ratio(num_requests), critical_lead)
         self.last = alloc
         self._kept_reach(num_requests, alloc.deepest, alloc.branching)
-        if alloc.pays:
+        self.realized.observe_drafting(num_requests, drafting_ms + catch_up_ms)
+        plain_ms = self.cost.step_ms(num_requests, requests=num_requests)
+        if alloc.pays and self.realized.pays(num_requests, plain_ms):
             self._misses, self._pause = 0, 1
             self._tried(num_requests, paid=True)
         else:
@@ -938,15 +1016,18 @@ class TreeBudget:
 
     def observe_step(self, rows: int, forward_ms: float, overhead_ms: float | None,
                      trees: int, requests: int, nodes: int, predicted_ms: float,
-                     taken_ms: float) -> None:
+                     taken_ms: float, accepted: int = 0) -> None:
         """One step's times (``StepCostModel.observe``), and for a decode-only step with
         trees what the sizing predicted against what it took (a prefill beside the trees is
-        no error of the estimate)."""
+        no error of the estimate) and what its ``accepted`` tokens saved against the time
+        it took beyond a plain step (``RealizedGain``)."""
         self.cost.observe(rows, forward_ms, overhead_ms, trees=trees, requests=requests,
                           nodes=nodes)
         self.clock.steps += 1
         if trees and overhead_ms is not None and decode_only(rows, requests, nodes):
             self.calibration.observe_time(requests, predicted_ms, taken_ms)
+            self.realized.observe_tree_step(requests, accepted, taken_ms,
+                                            self.cost.step_ms(requests, requests=requests))
 
     def forget(self, req_id: str) -> None:
         self.acceptance.forget(req_id)

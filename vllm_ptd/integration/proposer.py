@@ -455,7 +455,8 @@ class TreeProposer:
                                      None if record["idle_ms"] > 0 else overhead,
                                      record["trees"], record["requests"], record["nodes"],
                                      record["predicted_ms"],
-                                     record["wall_ms"] - record["drafting_ms"])
+                                     record["wall_ms"] - record["drafting_ms"],
+                                     accepted=record["accepted"])
             if self.budget.cost.samples % SAVE_COST_EVERY_STEPS == 0:
                 self.budget.cost.save()
         if self.trace is not None:
