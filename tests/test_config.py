@@ -2,6 +2,7 @@
 refusals."""
 import pytest
 
+from vllm_ptd.budget import REALIZED_MARGIN
 from vllm_ptd.config import MethodConfig, parse_speculative_config
 from vllm_ptd.methods import find_method, method_names
 from vllm_ptd.pctree.config import PCTreeConfig, tree_node_bound
@@ -145,6 +146,9 @@ def test_parse_splits_ours_from_vllms():
                                    "request_calibration": False})
     assert isinstance(mc.options, PCTreeConfig) and mc.num_speculative_tokens is None
     assert mc.request_calibration is False
+    assert mc.realized_margin == REALIZED_MARGIN
+    assert parse_speculative_config({"method": "ptd", "realized_margin": None}).realized_margin is None
+    assert parse_speculative_config({"method": "ptd", "realized_margin": 0}).realized_margin == 0.0
 
 
 @pytest.mark.parametrize("cfg,pattern", [
@@ -154,6 +158,8 @@ def test_parse_splits_ours_from_vllms():
     ({"method": "eagle"}, r"'method'.*\['pctree', 'ptd'\]"),
     ({"method": "ptd", "disable_by_batch_size": 0}, r"'disable_by_batch_size'.*\[1, "),
     ({"method": "pctree", "request_calibration": 1}, r"'request_calibration'.*true or false"),
+    ({"method": "ptd", "realized_margin": -0.1}, r"'realized_margin'.*number in \[0.0, 10.0\]"),
+    ({"method": "ptd", "realized_margin": "high"}, r"'realized_margin'.*number"),
     ({"width": 4}, r"'method'"),
     ({"method": "ptd", "num_speculative_tokens": 0}, r"'num_speculative_tokens'.*\[1, 4096\]"),
 ])

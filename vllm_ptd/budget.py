@@ -815,7 +815,9 @@ class RealizedGain:
     PRIOR_STEPS = 1.0
     MEMORY = 64
 
-    def __init__(self, clock: EngineClock | None = None) -> None:
+    def __init__(self, clock: EngineClock | None = None,
+                 margin: float | None = REALIZED_MARGIN) -> None:
+        self.margin = margin  # None: ``pays`` always (the estimates alone decide)
         # bucket -> [saved ms, cost ms, engine step of the last update]
         self.sums: dict[int, list[float]] = {}
         self.clock = clock or EngineClock()
@@ -844,14 +846,14 @@ class RealizedGain:
         """Saved over cost at this batch size, the prior counted (``plain_ms``: a plain
         step of it, the prior's scale)."""
         prior_cost = self.PRIOR_STEPS * max(plain_ms, 1e-6)
-        prior_saved = prior_cost * (1.0 + 2.0 * REALIZED_MARGIN)
+        prior_saved = prior_cost * (1.0 + 2.0 * (self.margin or 0.0))
         cell = self.sums.get(StepCostModel.batch_bucket(requests))
         saved, cost = (faded(cell[:2], int(cell[2]), self.clock.steps)
                        if cell is not None else (0.0, 0.0))
         return (saved + prior_saved) / max(cost + prior_cost, 1e-6)
 
     def pays(self, requests: int, plain_ms: float) -> bool:
-        return self.gain(requests, plain_ms) >= 1.0 + REALIZED_MARGIN
+        return self.margin is None or self.gain(requests, plain_ms) >= 1.0 + self.margin
 
 
 class TreeBudget:
@@ -893,13 +895,14 @@ class TreeBudget:
     # (draft_depth, draft_branching)
     REACH_FADE = 0.125
 
-    def __init__(self, cost: StepCostModel, acceptance: AcceptanceModel | None = None) -> None:
+    def __init__(self, cost: StepCostModel, acceptance: AcceptanceModel | None = None,
+                 realized_margin: float | None = REALIZED_MARGIN) -> None:
         self.cost = cost
         self.clock = EngineClock()  # one clock: both models' evidence fades with the same steps
         self.acceptance = acceptance or AcceptanceModel()
         self.acceptance.clock = self.clock
         self.calibration = Calibration(self.clock)
-        self.realized = RealizedGain(self.clock)
+        self.realized = RealizedGain(self.clock, realized_margin)
         self._misses = 0
         self._pause = 1
         self._skip = 0

@@ -11,10 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from vllm_ptd.budget import REALIZED_MARGIN
+
 # Keys of vLLM's own speculative config that may sit beside ours in the same dict.
 VLLM_PASSTHROUGH_KEYS = ("method", "num_speculative_tokens")
 # Keys every tree method takes, handled by the integration rather than the method.
-ENGINE_KEYS = ("disable_by_batch_size", "request_calibration")
+ENGINE_KEYS = ("disable_by_batch_size", "request_calibration", "realized_margin")
 # Every method config's ``budget`` key: "auto" sizes each step's trees with the measured cost
 # model (vllm_ptd.budget), for tokens per ms while the scheduler has requests waiting and for
 # the batch's end (its critical path) when it has none; "per_step" for tokens per ms always;
@@ -36,6 +38,13 @@ def check_choice(name: str, value: Any, choices: tuple) -> Any:
     return value
 
 
+def check_number(name: str, value: Any, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise ValueError(f"speculative_config[{name!r}] must be a number in [{lo}, {hi}], "
+                         f"got {value!r}")
+    return float(value)
+
+
 def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"speculative_config[{name!r}] must be true or false, got {value!r}")
@@ -51,6 +60,10 @@ class MethodConfig:
     # the budget scales each request's node values by how its own trees came out
     # (``budget.AcceptanceModel.request_factor``); false: the per-cell estimates alone
     request_calibration: bool = True
+    # drafting goes on at a batch size only while what its trees saved there, measured, beat
+    # what drafting and their rows cost by this share (``budget.RealizedGain``); None: no
+    # such check, the estimates alone decide
+    realized_margin: float | None = REALIZED_MARGIN
 
 
 def parse_speculative_config(cfg: dict) -> MethodConfig:
@@ -82,5 +95,9 @@ def parse_speculative_config(cfg: dict) -> MethodConfig:
         check_int("disable_by_batch_size", dbs, 1, 1_000_000)
     request_calibration = extra.pop("request_calibration", True)
     check_bool("request_calibration", request_calibration)
+    realized_margin = extra.pop("realized_margin", REALIZED_MARGIN)
+    if realized_margin is not None:
+        realized_margin = check_number("realized_margin", realized_margin, 0.0, 10.0)
     return MethodConfig(method=method, options=cls(**opts), num_speculative_tokens=nst,
-                        disable_by_batch_size=dbs, request_calibration=request_calibration)
+                        disable_by_batch_size=dbs, request_calibration=request_calibration,
+                        realized_margin=realized_margin)

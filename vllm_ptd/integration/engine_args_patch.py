@@ -51,7 +51,8 @@ def rewrite_speculative_config(spec: dict, device: str, target_config) -> tuple[
     vllm_spec = {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": k}
     ours = {"method": parsed.method, "options": dataclasses.asdict(opts),
             "disable_by_batch_size": parsed.disable_by_batch_size,
-            "request_calibration": parsed.request_calibration}
+            "request_calibration": parsed.request_calibration,
+            "realized_margin": parsed.realized_margin}
     return vllm_spec, ours
 
 

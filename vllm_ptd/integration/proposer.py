@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vllm_ptd.budget import (AcceptanceModel, StepCostModel, TreeBudget, makespan_lead,
-                             makespan_weights)
+from vllm_ptd.budget import (REALIZED_MARGIN, AcceptanceModel, StepCostModel, TreeBudget,
+                             makespan_lead, makespan_weights)
 from vllm_ptd.integration.kv_stash import bind_tree_attention
 from vllm_ptd.integration.step_clock import StepClock
 from vllm_ptd.integration.step import StepChannel, TreeStep, build_step
@@ -291,6 +291,7 @@ class TreeProposer:
         self.options = self.spec.config_cls(**entry["options"])
         self.disable_by_batch_size: int | None = entry.get("disable_by_batch_size")
         self.request_calibration: bool = entry.get("request_calibration", True)
+        self.realized_margin: float | None = entry.get("realized_margin", REALIZED_MARGIN)
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
         self.max_model_len = vllm_config.model_config.max_model_len
@@ -342,7 +343,8 @@ class TreeProposer:
             self.budget = TreeBudget(
                 StepCostModel(PRIOR_ROW_SLOPE[kind],
                               cost_cache_path(self.vllm_config, kind, self.kind)),
-                AcceptanceModel(request_calibration=self.request_calibration))
+                AcceptanceModel(request_calibration=self.request_calibration),
+                realized_margin=self.realized_margin)
 
     def load_model(self, target_model) -> None:
         """vLLM's runners (CPU and GPU alike) call this after loading the target."""
