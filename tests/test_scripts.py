@@ -312,6 +312,30 @@ def test_trace_outcomes_set_the_budget_against_what_its_tree_steps_did():
     assert o["plain_step_ms"] == {4: 50.0}
 
 
+def test_trace_realized_gain_sets_what_drafting_saved_against_what_it_cost():
+    """Per batch size bucket: accepted tokens at the plain step's ms per token, against the
+    drafting of steps that ran a proposal and each tree step's time beyond a plain step."""
+    from vllm_ptd.bench.trace_steps import realized_gain
+
+    step = lambda **k: json.dumps({"step": {"drafting_ms": 0.0, "budget_ms": 0.0, "nodes": 0,  # noqa: E731
+                                            "trees": 0, "accepted": 0, **k}})
+    lines = [step(rows=4, requests=4, wall_ms=40.0),
+             step(rows=4, requests=4, wall_ms=46.0, drafting_ms=6.0, budget_ms=0.2),  # a try
+             step(rows=10, requests=4, trees=2, nodes=6, accepted=4, wall_ms=52.0),
+             step(rows=4, requests=4, wall_ms=40.5, drafting_ms=0.5),  # observe only: no cost
+             step(rows=1, requests=1, wall_ms=30.0),
+             step(rows=4, requests=1, trees=1, nodes=3, accepted=3, wall_ms=31.0,
+                  drafting_ms=2.0, budget_ms=0.1),
+             step(rows=90, requests=4, trees=1, nodes=3, accepted=3, wall_ms=200.0)]  # prefill
+    g = realized_gain(lines)
+    assert set(g) == {0, 2}  # batch sizes 1 and 4-7
+    assert g[2]["tree_steps"] == 1
+    assert g[2]["saved_ms"] == pytest.approx(4 * 40.0 / 4)
+    assert g[2]["cost_ms"] == pytest.approx(6.0 + (52.0 - 40.0))
+    assert g[2]["gain"] == pytest.approx(40.0 / 18.0)
+    assert g[0]["saved_ms"] == pytest.approx(3 * 30.0) and g[0]["cost_ms"] == pytest.approx(2.0 + 29.0 - 30.0)
+
+
 def test_warmup_runs_held_out_prompts_and_records_nothing():
     """The warm-up runs real prompts that no measured batch holds (one batch per size and
     dataset); a dataset without spare prompts falls back to its first batch reversed."""

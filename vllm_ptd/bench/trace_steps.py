@@ -6,13 +6,15 @@ steps with drafting counted (``budget_outcomes``, ``decode_speedup``); and how t
 requests whose earlier trees had brought more or less than expected came out
 (``request_ratio_buckets``); and what the share of offered nodes that were accepted would
 have been had the trees expected to bring fewer tokens than a floor not been sent, and the
-accepted tokens that would have cost (``share_floors``).
+accepted tokens that would have cost (``share_floors``); and per batch size what drafting
+saved against what it cost, as the budget's ``RealizedGain`` measures it (``realized_gain``).
 
   python -m vllm_ptd.bench.trace_steps results/bs4_16/traces/ptd.jsonl [--requests 16]
   python -m vllm_ptd.bench.trace_steps results/serving/traces/ptd.jsonl --outcomes --min-requests 4
   python -m vllm_ptd.bench.trace_steps results/bs4/traces/pctree.jsonl --tries
   python -m vllm_ptd.bench.trace_steps results/b1/traces/ptd.jsonl --request-ratios
   python -m vllm_ptd.bench.trace_steps results/b1/traces/ptd.jsonl --share-floors 0.5,1
+  python -m vllm_ptd.bench.trace_steps results/bs4/traces/pctree.jsonl --realized
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import statistics
 from collections import defaultdict
 
 from vllm_ptd.bench.aggregate import busy_steps, is_busy
-from vllm_ptd.budget import AcceptanceModel
+from vllm_ptd.budget import AcceptanceModel, StepCostModel
 
 
 def step_records(lines) -> list[dict]:
@@ -104,6 +106,34 @@ def decode_speedup(steps: list[dict], min_requests: int = 1) -> dict:
     if out["steps"]:
         out["speedup"] = out["plain_equivalent_ms"] / out["wall_ms"]
     return out
+
+
+def realized_gain(lines) -> dict[int, dict]:
+    """Per batch size bucket (``StepCostModel.batch_bucket``) of the decode-only steps: the
+    ms the trees' accepted tokens saved (each at the mean plain step's ms per token of its
+    batch size, ``plain_step_ms``), the ms drafting and the tree rows cost (the drafting of
+    steps that ran a proposal, ``budget_ms`` > 0, and each tree step's wall less drafting
+    beyond a plain step), their ratio (``gain``) and the tree steps. What the budget's
+    ``RealizedGain`` weighs against ``realized_margin``, over the whole trace and without
+    its fading or prior (the engine prices a plain step by its cost model)."""
+    steps = [s for s in step_records(lines) if decode_only_step(s)]
+    plain = plain_step_ms(steps)
+    out: dict[int, dict] = {}
+    for s in steps:
+        r = s["requests"]
+        if r not in plain:
+            continue
+        cell = out.setdefault(StepCostModel.batch_bucket(r),
+                              {"saved_ms": 0.0, "cost_ms": 0.0, "tree_steps": 0})
+        if s.get("budget_ms", 0.0) > 0:
+            cell["cost_ms"] += s.get("drafting_ms", 0.0)
+        if s["trees"]:
+            cell["tree_steps"] += 1
+            cell["saved_ms"] += s.get("accepted", 0) * plain[r] / r
+            cell["cost_ms"] += s["wall_ms"] - s.get("drafting_ms", 0.0) - plain[r]
+    for cell in out.values():
+        cell["gain"] = cell["saved_ms"] / cell["cost_ms"] if cell["cost_ms"] > 0 else None
+    return dict(sorted(out.items()))
 
 
 def budget_outcomes(lines, min_requests: int = 1) -> dict:
@@ -257,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--share-floors", default=None, metavar="X,Y,...",
                     help="accepted over offered nodes had the trees expected to bring fewer "
                          "tokens than each floor not been sent, and the accepted tokens lost")
+    ap.add_argument("--realized", action="store_true",
+                    help="per batch size: what drafting saved against what it cost")
     args = ap.parse_args(argv)
     opener = gzip.open if args.trace.endswith(".gz") else open
     with opener(args.trace, "rt") as f:
@@ -290,6 +322,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.outcomes:
         print(json.dumps(budget_outcomes(lines, args.min_requests), indent=1))
+        return 0
+    if args.realized:
+        print("| requests | tree steps | saved s | cost s | saved / cost |")
+        print("|---|---|---|---|---|")
+        for bucket, c in realized_gain(lines).items():
+            gain = "—" if c["gain"] is None else f"{c['gain']:.2f}"
+            lo, hi = 1 << bucket, (2 << bucket) - 1
+            print(f"| {lo if lo == hi else f'{lo}-{hi}'} | {c['tree_steps']} | "
+                  f"{c['saved_ms'] / 1000:.2f} | "
+                  f"{c['cost_ms'] / 1000:.2f} | {gain} |")
         return 0
     groups = step_groups(lines, args.requests)
     busy = sum(g["busy_s"] for g in groups.values()) or 1.0
