@@ -7,8 +7,9 @@ import random
 
 import pytest
 
-from vllm_ptd.budget import (REALIZED_MARGIN, AcceptanceModel, Calibration, StepCostModel,
-                             TreeBudget, allocate, kept_branching, makespan_lead, makespan_weights, monotone)
+from vllm_ptd.budget import (REALIZED_MARGIN, AcceptanceModel, Calibration, RealizedGain,
+                             StepCostModel, TreeBudget, allocate, kept_branching, makespan_lead,
+                             makespan_weights, monotone)
 from vllm_ptd.tree import FlatTree
 
 
@@ -458,6 +459,24 @@ def test_drafting_stops_where_what_it_brought_does_not_beat_its_cost():
             budget.observe_step(4, 53.0, 0.0, trees=0, requests=4, nodes=0,
                                 predicted_ms=0.0, taken_ms=53.0)
     assert budget.realized.pays(4, 53.0) and budget.should_draft()
+
+
+def test_realized_gain_starts_open_and_a_few_failed_tries_do_not_close_it():
+    """A new batch size starts from two plain steps of cost at a gain of 1 + 2 * margin:
+    two tries that bring nothing (a fifth of a plain step each) leave drafting on, eight
+    stop it; its record is kept per batch size; ``margin`` None turns the check off."""
+    gain = RealizedGain()
+    assert gain.pays(1, 25.0)
+    for _ in range(2):
+        gain.observe_drafting(1, 5.0)
+    assert gain.pays(1, 25.0)
+    for _ in range(6):
+        gain.observe_drafting(1, 5.0)
+    assert not gain.pays(1, 25.0) and gain.pays(4, 25.0)
+    off = RealizedGain(margin=None)
+    for _ in range(8):
+        off.observe_drafting(1, 5.0)
+    assert off.pays(1, 25.0)
 
 
 def test_a_miss_among_tries_that_mostly_pay_hardly_pauses_drafting():

@@ -812,7 +812,10 @@ class RealizedGain:
     drafting starts everywhere, and where it stopped paying it is tried again now and then
     (``TreeBudget``'s pauses after misses) and resumes once what it brings shows."""
 
-    PRIOR_STEPS = 1.0
+    # two plain steps of cost: two or three tries whose trees bring nothing do not stop
+    # drafting at a new batch size (a try costs drafting and some rows; at batch 1 in bf16
+    # here about a fifth of a plain step)
+    PRIOR_STEPS = 2.0
     MEMORY = 64
 
     def __init__(self, clock: EngineClock | None = None,

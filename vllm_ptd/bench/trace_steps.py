@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import statistics
 from collections import defaultdict
 
@@ -131,8 +132,9 @@ def realized_gain(lines) -> dict[int, dict]:
             cell["tree_steps"] += 1
             cell["saved_ms"] += s.get("accepted", 0) * plain[r] / r
             cell["cost_ms"] += s["wall_ms"] - s.get("drafting_ms", 0.0) - plain[r]
-    for cell in out.values():
-        cell["gain"] = cell["saved_ms"] / cell["cost_ms"] if cell["cost_ms"] > 0 else None
+    for cell in out.values():  # infinite where the tree rows made steps faster than drafting cost
+        cell["gain"] = (cell["saved_ms"] / cell["cost_ms"] if cell["cost_ms"] > 0
+                        else math.inf if cell["saved_ms"] > 0 else None)
     return dict(sorted(out.items()))
 
 
