@@ -801,10 +801,11 @@ class RealizedGain:
     at 0.92x plain decoding against 0.98x with the same engine sending no tree (closed
     batches in separate engine processes): the requests the trees sped up left the batch
     early and its slowest decoded alone for longer (its steps of one and two requests took
-    4.5 s against 2.5 s), and its plain steps ran 2 % slower. Where trees paid on every
-    run the savings were 1.5-2.2x the cost (PCTree and PTD at 4 requests in fp32, PTD at 4
-    in bf16, served or offline); where they broke even or lost, 0.75-1.25x (PCTree at 4
-    requests in bf16, PTD at 16 in bf16, whose servers ran at 0.94-1.03x plain decoding).
+    4.5 s against 2.5 s), and its plain steps ran 2 % slower. Where trees paid run after
+    run the savings were 1.5-2.8x the cost (PCTree and PTD at 4 requests in fp32, PTD at 4
+    in bf16, served or offline); where they broke even or lost, 0.5-1.3x (PCTree at 4
+    requests in bf16, served or offline, PTD at 8-31 requests served in bf16);
+    ``python -m vllm_ptd.bench.trace_steps <trace> --realized`` reads them off a trace.
 
     Sums fade as ``Calibration``'s do (each tree step weighs the earlier ones down by
     ``1 - 1 / MEMORY``, every engine step by ``1 - 1 / STEP_MEMORY``), and a batch size
