@@ -78,6 +78,22 @@ def faded(values: list[float], since: int, now: int) -> list[float]:
     return [v * f for v in values]
 
 
+def faded_cell(cell: list[float] | None, width: int, now: int) -> list[float]:
+    """The ``width`` sums of a ``[*sums, engine step of the last update]`` cell, faded to
+    engine step ``now``; zeros for no cell."""
+    if cell is None:
+        return [0.0] * width
+    return faded(cell[:width], int(cell[width]), now)
+
+
+def add_to_cell(table: dict, key, increments: list[float], now: int,
+                keep: float = 1.0) -> None:
+    """Fade the cell's sums to ``now``, weigh them down by ``keep`` and add ``increments``
+    (the cell's layout: ``faded_cell``)."""
+    sums = faded_cell(table.get(key), len(increments), now)
+    table[key] = [v * keep + x for v, x in zip(sums, increments)] + [float(now)]
+
+
 def makespan_weights(remaining: list[int], request_share: float) -> list[float]:
     """What one more token of each request is worth to a batch that must finish before
     anything follows it, in steps of the batch (``remaining``: each request's tokens left,
@@ -176,8 +192,7 @@ class AcceptanceModel:
         out = []
         for q, g, d in zip(scores, groups, depths):
             key = self.key(g, q, d)
-            cell = self.engine.get(key)
-            a, n = faded(cell[:2], int(cell[2]), now) if cell is not None else (0.0, 0.0)
+            a, n = faded_cell(self.engine.get(key), 2, now)
             pe = (a + se * q) / (n + se)
             a, n = own.get(key, (0.0, 0.0))
             out.append(min(1.0, max(0.0, (a + sr * pe) / (n + sr))))
@@ -190,7 +205,7 @@ class AcceptanceModel:
         cell = self.request_sums.get(req_id)
         if cell is None or not self.request_calibration:
             return 1.0
-        accepted, expected = faded(cell[:2], int(cell[2]), self.clock.steps)
+        accepted, expected = faded_cell(cell, 2, self.clock.steps)
         return (accepted + self.REQUEST_PRIOR) / (expected + self.REQUEST_PRIOR)
 
     def _path_products(self, req_id: str, tree: FlatTree,
@@ -233,10 +248,7 @@ class AcceptanceModel:
                 continue  # never looked at
             key = self.key(tree.groups[i], tree.scores[i], d)
             hit = 1.0 if i in on_path else 0.0
-            cell = self.engine.get(key)
-            now = self.clock.steps
-            a, n = faded(cell[:2], int(cell[2]), now) if cell is not None else (0.0, 0.0)
-            self.engine[key] = [a + hit, n + 1.0, float(now)]
+            add_to_cell(self.engine, key, [hit, 1.0], self.clock.steps)
             cell = own.get(key)
             if cell is None:
                 own[key] = [hit, 1.0]
@@ -250,12 +262,8 @@ class AcceptanceModel:
         tokens, and what it was expected to bring by the estimates before this outcome,
         without the request's factor (the factor measures them)."""
         expected = sum(self._path_products(req_id, tree, depths))
-        now = self.clock.steps
-        cell = self.request_sums.get(req_id)
-        sums = faded(cell[:2], int(cell[2]), now) if cell is not None else [0.0, 0.0]
-        keep = 1.0 - 1.0 / self.REQUEST_MEMORY
-        self.request_sums[req_id] = [sums[0] * keep + accepted, sums[1] * keep + expected,
-                                     float(now)]
+        add_to_cell(self.request_sums, req_id, [accepted, expected], self.clock.steps,
+                    keep=1.0 - 1.0 / self.REQUEST_MEMORY)
 
     def forget(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
@@ -754,12 +762,8 @@ class Calibration:
 
     def _add(self, table: dict[int, list[float]], requests: int, estimate: float,
              outcome: float) -> None:
-        bucket = StepCostModel.batch_bucket(requests)
-        cell = table.get(bucket)
-        sums = faded(cell[:3], int(cell[3]), self.clock.steps) if cell is not None else [0.0] * 3
-        keep = 1.0 - 1.0 / Calibration.MEMORY
-        est, out, n = (x * keep for x in sums)
-        table[bucket] = [est + estimate, out + outcome, n + 1.0, float(self.clock.steps)]
+        add_to_cell(table, StepCostModel.batch_bucket(requests), [estimate, outcome, 1.0],
+                    self.clock.steps, keep=1.0 - 1.0 / Calibration.MEMORY)
 
     def observe_time(self, requests: int, predicted_ms: float, taken_ms: float) -> None:
         if predicted_ms > 0 and taken_ms > 0:
@@ -773,7 +777,7 @@ class Calibration:
         cell = table.get(StepCostModel.batch_bucket(requests))
         if cell is None or cell[2] == 0:
             return 1.0
-        est, out, n = faded(cell[:3], int(cell[3]), self.clock.steps)
+        est, out, n = faded_cell(cell, 3, self.clock.steps)
         prior = self.PRIOR_STEPS * est / n  # PRIOR_STEPS average steps, as estimated
         lo, hi = self.BOUNDS
         return min(hi, max(lo, (out + prior) / (est + prior)))
@@ -827,11 +831,8 @@ class RealizedGain:
         self.clock = clock or EngineClock()
 
     def _add(self, requests: int, saved_ms: float, cost_ms: float, keep: float) -> None:
-        bucket = StepCostModel.batch_bucket(requests)
-        cell = self.sums.get(bucket)
-        sums = faded(cell[:2], int(cell[2]), self.clock.steps) if cell is not None else [0.0, 0.0]
-        self.sums[bucket] = [sums[0] * keep + saved_ms, sums[1] * keep + cost_ms,
-                             float(self.clock.steps)]
+        add_to_cell(self.sums, StepCostModel.batch_bucket(requests), [saved_ms, cost_ms],
+                    self.clock.steps, keep)
 
     def observe_drafting(self, requests: int, ms: float) -> None:
         """A proposal for a batch of ``requests`` took ``ms`` (catch-up included)."""
@@ -851,9 +852,8 @@ class RealizedGain:
         step of it, the prior's scale)."""
         prior_cost = self.PRIOR_STEPS * max(plain_ms, 1e-6)
         prior_saved = prior_cost * (1.0 + 2.0 * (self.margin or 0.0))
-        cell = self.sums.get(StepCostModel.batch_bucket(requests))
-        saved, cost = (faded(cell[:2], int(cell[2]), self.clock.steps)
-                       if cell is not None else (0.0, 0.0))
+        saved, cost = faded_cell(self.sums.get(StepCostModel.batch_bucket(requests)), 2,
+                                 self.clock.steps)
         return (saved + prior_saved) / max(cost + prior_cost, 1e-6)
 
     def pays(self, requests: int, plain_ms: float) -> bool:
