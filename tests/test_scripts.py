@@ -136,6 +136,21 @@ def test_serving_report_counts_engine_time_and_short_steps():
     assert "| 4 | ptd | 0.18 | 0.16 | 0.00 | 0.00 | 2 | 1 | 1 (0.08) | 1.00 |" in md
 
 
+def test_arrival_waves_count_requests_sent_together_as_one():
+    """Requests sent within half a step (half the round's median chunk gap) of the one
+    before them are one wave; the same requests spread a step apart are as many waves."""
+    from vllm_ptd.bench.serving import arrival_waves
+
+    def req(start):
+        return {"start": start, "itl": [0.050, 0.050, 0.060]}
+
+    in_step = [req(0.0), req(0.002), req(0.004), req(3.2), req(3.203), req(3.205)]
+    spread = [req(0.0), req(0.05), req(0.10), req(3.2), req(3.25), req(3.30)]
+    assert arrival_waves(in_step) == 2
+    assert arrival_waves(spread) == 6
+    assert arrival_waves([{"start": None, "itl": []}]) is None
+
+
 def test_decode_speedup_prices_each_step_at_its_batch_sizes_plain_steps():
     """Tokens of every decode-only step at the same engine's plain ms per token of its batch
     size, against the wall it took (drafting counted; prefill and idle steps left out)."""

@@ -301,6 +301,23 @@ def _dist(xs: list[float]) -> dict:
             "p90": _pct(xs, 0.9), "n": len(xs)}
 
 
+def arrival_waves(requests: list[dict]) -> int | None:
+    """How many groups the round's requests were sent in: sorted by send time, a request
+    sent more than half a step after the one before it (a step: the median gap between
+    streamed chunks of the round) starts a new group. In a closed loop whose requests all
+    run to one limit, requests that end in one step send their successors together, and
+    those prompts are prefilled in one step; a method that ends requests in different steps
+    (speculation does) spreads the same prompts over more steps, each then carrying a
+    prefill beside its decodes: fewer waves, longer waits for the first token; more waves,
+    longer gaps between chunks."""
+    starts = sorted(q["start"] for q in requests if q.get("start") is not None)
+    gaps = sorted(g for q in requests for g in (q.get("itl") or []))
+    if not starts or not gaps:
+        return None
+    half_step = gaps[len(gaps) // 2] / 2
+    return 1 + sum(1 for a, b in zip(starts, starts[1:]) if b - a > half_step)
+
+
 def engine_time(rounds_steps: list[list[dict]], clients: int) -> dict | None:
     """What the engine did per round, from the proposer's step clock (traced methods only):
     seconds of steps (the engine's waits between steps left out: ``aggregate.busy_steps``),
@@ -373,10 +390,12 @@ def summarize(rounds: list[dict], labels: list[str], client_counts: list[int],
             gen = sum(q["tokens"] or 0 for q in reqs)
             spec = spec_summary(trace, counters, gen, len(reqs)) if (trace or counters) else None
             engine = engine_time([r.get("steps") or [] for r in mine], c)
+            waves = [w for w in (arrival_waves(r["requests"]) for r in mine) if w is not None]
             rows.append({"label": lab, "clients": c, "throughput": mean_sd(tput), "engine": engine,
                          "speedup": mean_sd(speed), "ttft_ms": _dist([q["ttft"] for q in reqs]),
                          "itl_ms": _dist([g for q in reqs for g in q["itl"]]),
                          "tpot_ms": _dist([q["tpot"] for q in reqs]), "requests": len(reqs),
+                         "arrival_waves": mean_sd(waves),
                          "errors": sum(1 for q in reqs if q["error"]),
                          "identical": same, "compared": total, "spec": spec})
     return rows
@@ -392,11 +411,14 @@ def report(rows: list[dict], meta: dict, failed: dict) -> str:
          "- methods take turns per round, order rotating; speedup = throughput / throughput of "
          "`none` in the same repeat and client count; `a ± b` = mean ± sample sd over repeats",
          "- TTFT / ITL / TPOT in ms as mean / p50 / p90 over all requests (ITL: gaps between "
-         "streamed chunks; TPOT: (end - first text) / (tokens - 1) per request)"]
+         "streamed chunks; TPOT: (end - first text) / (tokens - 1) per request)",
+         "- waves: groups the round's requests were sent in (a new group where a request "
+         "follows the one before by more than half a step), per round: requests that end "
+         "in one step send their successors together, and their prompts share a prefill step"]
     if failed:
         L.append("- skipped: " + "; ".join(f"`{k}` ({v})" for k, v in failed.items()))
-    L += ["", "| clients | method | throughput tok/s | speedup | TTFT ms | ITL ms | TPOT ms | DE | AL "
-          "| HR | identical | errors |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    L += ["", "| clients | method | throughput tok/s | speedup | TTFT ms | ITL ms | TPOT ms | waves | DE "
+          "| AL | HR | identical | errors |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def d3(x):
         return f"{f(x['mean'], 1)} / {f(x['p50'], 1)} / {f(x['p90'], 1)}"
@@ -406,7 +428,8 @@ def report(rows: list[dict], meta: dict, failed: dict) -> str:
         has = s.get("source") is not None
         L.append(f"| {r['clients']} | {r['label']} | {fmt_pm(r['throughput'], 1)} | "
                  f"{fmt_pm(r['speedup'])} | {d3(r['ttft_ms'])} | {d3(r['itl_ms'])} | "
-                 f"{d3(r['tpot_ms'])} | {f(s.get('DE')) if has else '—'} | "
+                 f"{d3(r['tpot_ms'])} | {fmt_pm(r.get('arrival_waves') or mean_sd([]), 0)} | "
+                 f"{f(s.get('DE')) if has else '—'} | "
                  f"{f(s.get('AL')) if has else '—'} | {f(s.get('HR')) if has else '—'} | "
                  f"{identical_cell(r)} | {r['errors']} |")
     engine = [r for r in rows if r.get("engine")]
