@@ -107,6 +107,17 @@ def test_trace_reader_splits_request_and_step_records(tmp_path):
     assert t["steps"] == 1 and t["other"] == 40.0 - 30.0 - 1.0 - 3.0 - 0.5
 
 
+def test_cpu_description_names_the_processor_and_its_matmul_extensions():
+    from vllm_ptd.hardware import cpu_description
+
+    info = ("processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu sse avx2 avx512f "
+            "avx512_bf16 sha_ni\n\nprocessor\t: 1\nmodel name\t: AMD EPYC 9R14\n"
+            "flags\t\t: fpu sse avx2 avx512f avx512_bf16 sha_ni\n")
+    assert cpu_description(info) == "AMD EPYC 9R14 (avx2 avx512f avx512_bf16)"
+    assert cpu_description("model name\t: Old\nflags\t: fpu sse\n") == "Old"
+    assert host.host_info()["cpu"] == cpu_description()
+
+
 def test_serving_report_counts_engine_time_and_short_steps():
     from vllm_ptd.bench.serving import report, summarize
 

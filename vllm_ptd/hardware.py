@@ -12,3 +12,29 @@ def cpu_has_fast_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+MATMUL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_description(cpuinfo: str | None = None) -> str | None:
+    """The processor's model name and which of ``MATMUL_FLAGS`` it has, e.g. ``"Intel(R)
+    Xeon(R) Processor (avx2 avx512f avx512_bf16 amx_bf16)"``: what a benchmark's figures
+    depend on (this project's VMs have had AVX2-only AMD and AMX Intel processors, whose
+    row costs differ), kept with them. ``cpuinfo``: that file's text (default: read it);
+    None where it cannot be read."""
+    text = cpuinfo
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    name, flags = "unknown processor", set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and name == "unknown processor":
+            name = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    have = " ".join(f for f in MATMUL_FLAGS if f in flags)
+    return f"{name} ({have})" if have else name

@@ -6,12 +6,12 @@ import platform
 import subprocess
 from pathlib import Path
 
-from vllm_ptd.hardware import cpu_has_fast_bf16
+from vllm_ptd.hardware import cpu_description, cpu_has_fast_bf16
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
 def host_info() -> dict:
-    info = {"cpus": os.cpu_count(), "platform": platform.platform(),
+    info = {"cpus": os.cpu_count(), "cpu": cpu_description(), "platform": platform.platform(),
             "python": platform.python_version(), "LD_PRELOAD": os.environ.get("LD_PRELOAD", ""),
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
             "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE")}

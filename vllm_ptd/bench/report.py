@@ -63,7 +63,9 @@ def markdown_report(agg: dict, meta: dict, methods: list[Method], failed: dict) 
              + (" (continuous batching: each dataset's prompts in one call, at most the batch "
                 "size running)" if meta.get("batching") == "continuous" else ""))
     L.append("- prompts per dataset: " + ", ".join(f"{d} {n}" for d, n in meta["prompts"].items()))
-    L.append(f"- host: {meta['host']['cpus']} CPUs, {meta['host']['platform']}; vLLM "
+    cpu = meta["host"].get("cpu")
+    L.append(f"- host: {meta['host']['cpus']} CPUs{' of ' + cpu if cpu else ''}, "
+             f"{meta['host']['platform']}; vLLM "
              f"{meta['host'].get('vllm')}, torch {meta['host'].get('torch')}; "
              f"started {meta['started']}, {meta['elapsed_s']:.0f}s")
     L.append("- methods interleaved in one run (each in its own engine process, order rotating "

@@ -408,6 +408,8 @@ def report(rows: list[dict], meta: dict, failed: dict) -> str:
          f"{token_limit_text(meta['max_tokens'], meta.get('min_tokens_limit'))} new "
          f"tokens, {meta['num_requests']} requests per round, {meta['repeats']} repeat(s); "
          f"servers: {meta['servers']}",
+         f"- host: {(meta.get('host') or {}).get('cpus')} CPUs of "
+         f"{(meta.get('host') or {}).get('cpu') or 'an unrecorded processor'}",
          "- methods take turns per round, order rotating; speedup = throughput / throughput of "
          "`none` in the same repeat and client count; `a ± b` = mean ± sample sd over repeats",
          "- TTFT / ITL / TPOT in ms as mean / p50 / p90 over all requests (ITL: gaps between "
