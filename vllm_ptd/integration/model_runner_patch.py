@@ -10,8 +10,10 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+from vllm_ptd.integration.executor_patch import DRAFTS_ATTR
 from vllm_ptd.integration.patching import Patch
 from vllm_ptd.integration.proposer import TreeProposer
 
@@ -119,6 +121,16 @@ class GPUModelRunnerPatch(Patch):
                                    GPUModelRunnerPatch.original("_sample").__get__(self))
         finally:
             proposer.channel.close()
+
+    def sample_tokens(self, grammar_output, *args, **kwargs):
+        output = GPUModelRunnerPatch.original("sample_tokens")(self, grammar_output, *args, **kwargs)
+        # the step's trees ride back with its sampled tokens (executor_patch: one call to a
+        # worker process a step instead of two); with async scheduling vLLM takes none
+        if (_tree_proposer(self) is not None and isinstance(output, ModelRunnerOutput)
+                and output is not EMPTY_MODEL_RUNNER_OUTPUT
+                and not getattr(self, "use_async_scheduling", False)):
+            setattr(output, DRAFTS_ATTR, self.take_draft_token_ids())
+        return output
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
                                 hidden_states, sample_hidden_states, aux_hidden_states,
