@@ -125,9 +125,12 @@ class GPUModelRunnerPatch(Patch):
     def sample_tokens(self, grammar_output, *args, **kwargs):
         output = GPUModelRunnerPatch.original("sample_tokens")(self, grammar_output, *args, **kwargs)
         # the step's trees ride back with its sampled tokens (executor_patch: one call to a
-        # worker process a step instead of two); with async scheduling vLLM takes none
+        # worker process a step instead of two); only to vLLM's multiprocess executor, the
+        # one that takes them off (another asks for them as before, and building them here
+        # too would be done twice), and never with async scheduling, where vLLM takes none
         if (_tree_proposer(self) is not None and isinstance(output, ModelRunnerOutput)
                 and output is not EMPTY_MODEL_RUNNER_OUTPUT
+                and self.parallel_config.distributed_executor_backend == "mp"
                 and not getattr(self, "use_async_scheduling", False)):
             setattr(output, DRAFTS_ATTR, self.take_draft_token_ids())
         return output
