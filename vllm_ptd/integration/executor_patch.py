@@ -10,7 +10,8 @@ round trip a step; it took a median 0.23 ms (mean 0.32) a step of 4 requests her
 bf16 at 4 requests), paid even in steps where no request drafts.
 
 The runner patch puts the step's ``take_draft_token_ids()`` on the ``ModelRunnerOutput``
-that ``sample_tokens`` returns (attribute ``DRAFTS_ATTR``; the worker builds nothing between
+that ``sample_tokens`` returns when the engine's executor backend is ``"mp"`` (attribute
+``DRAFTS_ATTR``; the worker builds nothing between
 that call and vLLM's own, so it is what the second call would have returned); this patch
 takes it off the output as it arrives and answers the engine core's
 ``take_draft_token_ids`` from it. Where it did not come (an executor call made without
