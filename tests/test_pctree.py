@@ -556,7 +556,8 @@ def test_method_skips_what_a_paused_request_would_catch_up_on(tmp_path):
 def test_queue_keeps_the_last_rows_of_its_pieces_without_holding_the_rest():
     """``keep_recent`` over queues of pieces of random sizes: the rows kept are the last
     ``limit`` rows of the whole queue, positions move by the rows dropped, and a piece cut
-    in two is copied, so a long prompt's dropped rows are not held alive by a view."""
+    in two is copied where its storage holds more than ``limit`` rows, so a long prompt's
+    dropped rows are not held alive by a view."""
     from vllm_ptd.pctree.method import _Request
 
     class Ctx:
@@ -579,7 +580,36 @@ def test_queue_keeps_the_last_rows_of_its_pieces_without_holding_the_rest():
         originals = {p.untyped_storage().data_ptr(): p.shape[0] for p in pieces}
         for piece in st.pending:
             ptr = piece.untyped_storage().data_ptr()
-            assert ptr not in originals or originals[ptr] == piece.shape[0]
+            held = piece.untyped_storage().nbytes() // (5 * piece.element_size())
+            assert originals.get(ptr) == piece.shape[0] or held <= limit
+
+
+def test_a_paused_queue_is_not_copied_every_step():
+    """A paused request adds one row a step and drops one: the prompt's last rows are
+    copied once, when the prompt is cut, and later steps cut that copy without copying it
+    again (a copy every step was most of the proposer's time at 16 requests), while the
+    rows kept stay the last ``limit`` of the queue."""
+    from vllm_ptd.pctree.method import _Request
+
+    class Ctx:
+        next_position = 0
+
+    st, limit = _Request(Ctx()), 8
+    prompt = torch.randn(100, 5)
+    st.add_pending(prompt)
+    st.keep_recent(limit)
+    copy = st.pending[0].untyped_storage().data_ptr()
+    assert copy != prompt.untyped_storage().data_ptr()
+    assert st.pending[0].untyped_storage().nbytes() == limit * 5 * prompt.element_size()
+    everything = [prompt]
+    for step in range(limit - 1):
+        row = torch.randn(1, 5)
+        everything.append(row)
+        st.add_pending(row)
+        st.keep_recent(limit)
+        assert st.pending[0].untyped_storage().data_ptr() == copy
+        torch.testing.assert_close(torch.cat(st.pending), torch.cat(everything)[-limit:])
+    assert st.ctx.next_position == 100 - limit + limit - 1
 
 
 def two_requests(folder, **config) -> tuple[DSparkDrafter, PCTreeMethod]:
