@@ -479,6 +479,27 @@ def test_realized_gain_starts_open_and_a_few_failed_tries_do_not_close_it():
     assert off.pays(1, 25.0)
 
 
+def test_a_pauses_rows_are_not_charged_to_what_drafting_brings():
+    """The rows a pause left (``paused_ms``) cost a try after it, not drafting at every
+    step: the measured gain leaves them out (a new prompt's rows it keeps), so tries after
+    pauses that bring what steady drafting would keep drafting on at that batch size."""
+    cost = linear_cost(50.0, 1.0)
+    cost.observe(4, 53.0, 0.0, requests=4, nodes=0)
+    sure = FlatTree([1], [-1], scores=[0.95], groups=[0])
+    gains = {}
+    for label, paused in (("a pause's rows", 20.0), ("a new prompt's rows", 0.0)):
+        budget = TreeBudget(cost)
+        for _ in range(20):
+            budget.size(["r"], [sure], base_rows=4, num_requests=4, drafting_ms=5.0,
+                        catch_up_ms=20.0, paused_ms=paused)
+            tree_step_came_out(budget, requests=4, nodes=1, accepted=1, ms=56.0)
+        gains[label] = budget.realized.gain(4, 53.0)
+    # each tree step saved 53 / 4 ms against 3 ms of rows and 5 (+ 20) ms of drafting
+    assert gains["a pause's rows"] == pytest.approx(
+        (20 * 53 / 4 + 2 * 53 * 1.6) / (20 * 8 + 2 * 53), rel=0.05)
+    assert gains["a pause's rows"] >= 1 + REALIZED_MARGIN > gains["a new prompt's rows"]
+
+
 def test_a_miss_among_tries_that_mostly_pay_hardly_pauses_drafting():
     """The pause after a miss counts only the share of tries that miss at that batch size:
     where nearly every try pays, one miss costs a step or two; at a batch size whose tries

@@ -61,6 +61,11 @@ class TreeMethod(ABC, Generic[State]):
         #: hidden rows put into the drafter's contexts), which a proposal at any later step
         #: would pay as well; the budget does not count it against the trees of this one
         self.catch_up_ms = 0.0
+        #: the part of ``catch_up_ms`` spent on rows that waited through steps in which their
+        #: request sent no tree (a pause's rows): what pausing cost, which drafting at every
+        #: step would not have paid; the budget's measured gain (``RealizedGain``) leaves it
+        #: out, the pause after a failed try counts it
+        self.paused_ms = 0.0
         #: how deep the last ``propose`` drafted (PCTree: its drafter block's rows), for the
         #: trace; 0 where a method drafts to no depth of its own choosing, or proposed nothing
         self.drafted_depth = 0

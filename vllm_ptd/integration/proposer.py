@@ -696,7 +696,7 @@ class TreeProposer:
                 trees = self.budget.size(ready_ids, trees, base_rows=ib.num_reqs,
                                          num_requests=ib.num_reqs, drafting_ms=drafting_ms,
                                          weights=weights, catch_up_ms=method.catch_up_ms,
-                                         critical_lead=lead)
+                                         critical_lead=lead, paused_ms=method.paused_ms)
             self._expected = dict(zip(ready_ids, self.budget.last.expected))
             self._predicted_ms = self.budget.last.step_ms
             self._sized_requests = ib.num_reqs

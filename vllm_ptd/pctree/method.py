@@ -112,6 +112,8 @@ class _Request:
         # drafter work, up to PENDING_FLUSH_ROWS rows
         self.pending: list[torch.Tensor] = []
         self.pending_rows = 0
+        # how many of them waited through a step in which the request sent no tree
+        self.paused_rows = 0
 
     def add_pending(self, rows: torch.Tensor) -> bool:
         """Queue rows; True when the bound is reached and they should be flushed."""
@@ -239,16 +241,20 @@ class PCTreeMethod(TreeMethod[_Request]):
             if st.add_pending(rows):
                 self._flush([st])
 
-    def _flush(self, states: list[_Request]) -> None:
-        """Pending rows into the drafters' contexts, all requests in one call."""
+    def _flush(self, states: list[_Request]) -> float:
+        """Pending rows into the drafters' contexts, all requests in one call; returns the
+        share of those rows that a pause held (``_Request.paused_rows``)."""
         waiting = [st for st in states if st.pending]
         if not waiting:
-            return
+            return 0.0
         rows = [torch.cat(st.pending) if len(st.pending) > 1 else st.pending[0]
                 for st in waiting]
+        total = sum(st.pending_rows for st in waiting)
+        paused = sum(min(st.paused_rows, st.pending_rows) for st in waiting)
         for st in waiting:
-            st.pending, st.pending_rows = [], 0
+            st.pending, st.pending_rows, st.paused_rows = [], 0, 0
         self.drafter.append_contexts([st.ctx for st in waiting], rows)
+        return paused / max(total, 1)
 
     def skip(self, req_ids: list[str], last_tokens: list[int]) -> None:
         """While a request does not draft, its queue keeps only the last ``catch_up_rows``
@@ -287,15 +293,16 @@ class PCTreeMethod(TreeMethod[_Request]):
         live = [i for i, r in enumerate(req_ids) if r in self._requests]
         out = [FlatTree() for _ in req_ids]
         c = self.config
-        self.catch_up_ms = 0.0
+        self.catch_up_ms = self.paused_ms = 0.0
         self.drafted_depth = self.drafted_branching = 0
         if not live or c.max_nodes < 2 or c.depth == 0:
             return out
         states = [self._requests[req_ids[i]] for i in live]
         if any(st.pending for st in states):
             t0 = time.perf_counter()
-            self._flush(states)
+            paused_share = self._flush(states)
             self.catch_up_ms = 1000 * (time.perf_counter() - t0)
+            self.paused_ms = paused_share * self.catch_up_ms
         ctxs = [st.ctx for st in states]
         roots = [int(last_tokens[i]) for i in live]
         if c.draft_shape == "full":
