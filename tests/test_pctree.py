@@ -722,6 +722,38 @@ def test_method_lifecycle_and_batching(tmp_path):
         m.start("d", [1, 2, 3])
 
 
+def test_catch_up_on_a_pauses_rows_is_told_apart_from_a_new_prompts(tmp_path):
+    """``paused_ms`` is the share of the catch-up spent on rows that waited through steps
+    without a tree: none for a request drafting from its prompt, all but the last step's
+    rows for one whose drafting paused."""
+    _, m = two_requests(tmp_path, max_nodes=9)
+    m.propose(["a"], [7])  # "a" drafts at once: its prompt rows are not a pause's
+    assert m.catch_up_ms > 0.0 and m.paused_ms == 0.0
+    m.skip(["b"], [8])  # "b" sends no tree for three steps, then drafts
+    for step in range(3):
+        outcome = StepOutcome(tree=FlatTree(), root_argmax=0, node_argmax=[], accepted=[],
+                              committed=[1], hidden=rows(1, 20 + step))
+        m.observe(["b"], [outcome])
+        if step < 2:
+            m.skip(["b"], [1])
+    st = m._requests["b"]
+    assert (st.pending_rows, st.paused_rows) == (12, 11)
+    m.propose(["b"], [1])
+    assert m.paused_ms == pytest.approx(m.catch_up_ms * 11 / 12)
+    assert st.paused_rows == 0 and not st.pending
+
+
+def test_warm_up_leaves_no_trace(tmp_path):
+    """``warm_up`` drafts for made-up requests and forgets them: no request is left, and
+    the trees that follow are those of a method that never warmed up."""
+    _, cold = two_requests(tmp_path / "cold", max_nodes=9)
+    _, warm = two_requests(tmp_path / "warm", max_nodes=9)
+    warm.warm_up()
+    assert warm.num_requests() == 2 and warm.catch_up_ms == warm.paused_ms == 0.0
+    for a, b in zip(cold.propose(["a", "b"], [7, 8]), warm.propose(["a", "b"], [7, 8])):
+        assert (a.tokens, a.parents) == (b.tokens, b.parents)
+
+
 def test_method_refuses_depth_beyond_block():
     with pytest.raises(ValueError, match="block size"):
         PCTreeMethod(PCTreeConfig(depth=9), TARGET, drafter=make_drafter())

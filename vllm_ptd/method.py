@@ -99,6 +99,11 @@ class TreeMethod(ABC, Generic[State]):
         ``max_branching``: likewise how wide (``TreeBudget.draft_branching``), for a method
         whose drafting costs more the wider it branches (PCTree's expansion)."""
 
+    def warm_up(self) -> None:
+        """Run the method's drafting once on made-up input and forget it, so that the
+        first real proposal costs what later ones do (the engine calls it after ``build``).
+        Methods whose first call costs nothing extra keep this default."""
+
     def skip(self, req_ids: list[str], last_tokens: list[int]) -> None:
         """These requests send no tree this step (drafting paused, or off at this batch
         size); ``last_tokens`` are their last committed tokens, as ``propose`` would have

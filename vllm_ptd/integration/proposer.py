@@ -372,6 +372,10 @@ class TreeProposer:
                            int8_linear_kernel=engine_int8_linear_kernel(embed.device),
                            norm_kernel=engine_rms_norm_kernel(embed.device))
         self.method = self.spec.build(self.options, ctx)
+        t0 = time.perf_counter()
+        self.method.warm_up()
+        logger.info("vllm-ptd %s: drafting warmed up in %.0f ms", self.kind,
+                    1000 * (time.perf_counter() - t0))
 
     def num_offered(self, req_id: str, sent: int) -> int:
         """Candidate (verify) nodes among the ``sent`` leading tokens of the request's tree:
