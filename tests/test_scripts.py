@@ -195,11 +195,13 @@ def test_step_clock_records_the_accepted_nodes_and_draft_shape_of_its_step():
     clock.set_trees(1, 4)
     clock.set_accepted(3)
     clock.set_draft_shape(2, 3)
+    clock.set_paused(1.5)
     first = clock.start_step(rows=2, requests=2)
     assert (first["trees"], first["nodes"], first["accepted"], first["draft_depth"],
-            first["draft_branching"]) == (1, 4, 3, 2, 3)
+            first["draft_branching"], first["paused_ms"]) == (1, 4, 3, 2, 3, 1.5)
     second = clock.start_step(rows=2, requests=2)
     assert second["accepted"] == 0 and second["draft_depth"] == second["draft_branching"] == 0
+    assert second["paused_ms"] == 0.0
 
 
 def test_step_clock_leaves_the_engine_waiting_out_of_a_step():
@@ -340,13 +342,15 @@ def test_trace_outcomes_set_the_budget_against_what_its_tree_steps_did():
 
 def test_trace_realized_gain_sets_what_drafting_saved_against_what_it_cost():
     """Per batch size bucket: accepted tokens at the plain step's ms per token, against the
-    drafting of steps that ran a proposal and each tree step's time beyond a plain step."""
+    drafting of steps that ran a proposal (less its rows a pause held, as the budget counts
+    it) and each tree step's time beyond a plain step."""
     from vllm_ptd.bench.trace_steps import realized_gain
 
     step = lambda **k: json.dumps({"step": {"drafting_ms": 0.0, "budget_ms": 0.0, "nodes": 0,  # noqa: E731
                                             "trees": 0, "accepted": 0, **k}})
     lines = [step(rows=4, requests=4, wall_ms=40.0),
-             step(rows=4, requests=4, wall_ms=46.0, drafting_ms=6.0, budget_ms=0.2),  # a try
+             step(rows=4, requests=4, wall_ms=49.0, drafting_ms=9.0, budget_ms=0.2,
+                  paused_ms=3.0),  # a try after a pause
              step(rows=10, requests=4, trees=2, nodes=6, accepted=4, wall_ms=52.0),
              step(rows=4, requests=4, wall_ms=40.5, drafting_ms=0.5),  # observe only: no cost
              step(rows=1, requests=1, wall_ms=30.0),

@@ -113,8 +113,8 @@ def realized_gain(lines) -> dict[int, dict]:
     """Per batch size bucket (``StepCostModel.batch_bucket``) of the decode-only steps: the
     ms the trees' accepted tokens saved (each at the mean plain step's ms per token of its
     batch size, ``plain_step_ms``), the ms drafting and the tree rows cost (the drafting of
-    steps that ran a proposal, ``budget_ms`` > 0, and each tree step's wall less drafting
-    beyond a plain step), their ratio (``gain``) and the tree steps. What the budget's
+    steps that ran a proposal, ``budget_ms`` > 0, less what it spent on rows a pause held,
+    ``paused_ms``, and each tree step's wall less drafting beyond a plain step), their ratio (``gain``) and the tree steps. What the budget's
     ``RealizedGain`` weighs against ``realized_margin``, over the whole trace and without
     its fading or prior (the engine prices a plain step by its cost model)."""
     steps = [s for s in step_records(lines) if decode_only_step(s)]
@@ -127,7 +127,7 @@ def realized_gain(lines) -> dict[int, dict]:
         cell = out.setdefault(StepCostModel.batch_bucket(r),
                               {"saved_ms": 0.0, "cost_ms": 0.0, "tree_steps": 0})
         if s.get("budget_ms", 0.0) > 0:
-            cell["cost_ms"] += s.get("drafting_ms", 0.0)
+            cell["cost_ms"] += s.get("drafting_ms", 0.0) - s.get("paused_ms", 0.0)
         if s["trees"]:
             cell["tree_steps"] += 1
             cell["saved_ms"] += s.get("accepted", 0) * plain[r] / r

@@ -687,6 +687,7 @@ class TreeProposer:
                 max_depth=None if budget is None else budget.draft_depth(ib.num_reqs),
                 max_branching=None if budget is None else budget.draft_branching(ib.num_reqs))
         self.clock.set_draft_shape(method.drafted_depth, method.drafted_branching)
+        self.clock.set_paused(method.paused_ms)
         if self.budget is not None:
             # what drafting again next step would cost: not the rows earlier steps left for
             # the method (a new request's prompt, the rows of a pause), which whichever

@@ -36,6 +36,7 @@ class StepClock:
         self._accepted = 0
         self._draft_depth = 0
         self._draft_branching = 0
+        self._paused = 0.0
         self._parts = dict.fromkeys(PARTS, 0.0)
         self.totals = dict.fromkeys(("steps", "wall", *PARTS), 0.0)
 
@@ -44,8 +45,8 @@ class StepClock:
         ``requests``: the requests it runs). Returns the closed step's record: rows,
         requests, trees (requests that carried one), nodes (theirs), accepted (their nodes
         accepted), draft_depth and draft_branching (how deep and wide the step's proposal
-        drafted: ``set_draft_shape``),
-        wall_ms, idle_ms (the engine's wait before the next step, left out of wall_ms),
+        drafted: ``set_draft_shape``), paused_ms (the part of its drafting spent on rows a
+        pause held: ``set_paused``), wall_ms, idle_ms (the engine's wait before the next step, left out of wall_ms),
         predicted_ms (the budget's estimate of wall less drafting, 0 without one) and one
         ``<part>_ms`` per part."""
         now = time.perf_counter()
@@ -59,7 +60,7 @@ class StepClock:
             record = {"rows": self._rows, "requests": self._requests, "trees": self._trees,
                       "nodes": self._nodes, "accepted": self._accepted,
                       "draft_depth": self._draft_depth,
-                      "draft_branching": self._draft_branching,
+                      "draft_branching": self._draft_branching, "paused_ms": self._paused,
                       "wall_ms": 1000 * (now - self._start) - idle_ms, "idle_ms": idle_ms,
                       "predicted_ms": self._predicted,
                       **{f"{k}_ms": v for k, v in self._parts.items()}}
@@ -71,6 +72,7 @@ class StepClock:
         self._last_mark = None
         self._nodes, self._predicted, self._accepted = 0, 0.0, 0
         self._draft_depth = self._draft_branching = 0
+        self._paused = 0.0
         self._parts = dict.fromkeys(PARTS, 0.0)
         return record
 
@@ -84,6 +86,11 @@ class StepClock:
         .drafted_depth``, ``.drafted_branching``; 0: no proposal, or a method that does not
         choose them)."""
         self._draft_depth, self._draft_branching = depth, branching
+
+    def set_paused(self, ms: float) -> None:
+        """The part of the step in flight's drafting spent on rows a pause held
+        (``TreeMethod.paused_ms``), which the budget's measured gain leaves out."""
+        self._paused = ms
 
     def set_accepted(self, accepted: int) -> None:
         """How many tree nodes of the step in flight were accepted."""
