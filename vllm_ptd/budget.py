@@ -991,12 +991,11 @@ class TreeBudget:
         beyond it on rows earlier steps left (a pause's, a new prompt's), which only the
         pause after a miss counts in full; ``paused_ms``: the part of it on a pause's rows,
         which the measured gain (``RealizedGain``) leaves out. Why: drafting at every step
-        never pays for a pause's rows, so charging them to what drafting brings at this batch
-        size held drafting off once it had paused (PCTree in continuous batches of 4 in
-        fp32: each try after a pause put 64 rows a request into its drafter's contexts,
-        13-19 ms against 5-6 ms for a proposal right after another, and drafting, paused at
-        the start, never resumed: 54 tree steps in a run where it had sent 1,353 and its
-        trees had saved 1.5 times their cost)."""
+        never pays for a pause's rows, and charged to what drafting brings at this batch
+        size they made every try after a pause look worse than drafting at every step would
+        be (PCTree in continuous batches of 4 in fp32 here: a try after a pause put up to 64
+        rows a request into its drafter's contexts, 13-19 ms against 5-7 ms for a proposal
+        right after another)."""
         if self.cost.plain_forward_ms(num_requests) is None:
             self.last = Allocation([[] for _ in trees], [0] * len(trees), base_rows,
                                    expected=[0.0] * len(trees))

@@ -114,9 +114,10 @@ def realized_gain(lines) -> dict[int, dict]:
     ms the trees' accepted tokens saved (each at the mean plain step's ms per token of its
     batch size, ``plain_step_ms``), the ms drafting and the tree rows cost (the drafting of
     steps that ran a proposal, ``budget_ms`` > 0, less what it spent on rows a pause held,
-    ``paused_ms``, and each tree step's wall less drafting beyond a plain step), their ratio (``gain``) and the tree steps. What the budget's
-    ``RealizedGain`` weighs against ``realized_margin``, over the whole trace and without
-    its fading or prior (the engine prices a plain step by its cost model)."""
+    ``paused_ms``, and each tree step's wall less drafting beyond a plain step), their
+    ratio (``gain``) and the tree steps. What the budget's ``RealizedGain`` weighs against
+    ``realized_margin``, over the whole trace and without its fading or prior (the engine
+    prices a plain step by its cost model)."""
     steps = [s for s in step_records(lines) if decode_only_step(s)]
     plain = plain_step_ms(steps)
     out: dict[int, dict] = {}
