@@ -12,6 +12,12 @@ from pathlib import Path
 
 __version__ = "0.1.0"
 
+# The plugin's log lines (patches applied, drafting warmed up, the periodic per-step summary)
+# go through vLLM's own logging: a child of vLLM's "vllm" logger takes its handler, format
+# and VLLM_LOGGING_LEVEL in every engine process, where a logger of its own had no handler
+# and dropped every line below a warning.
+LOGGER_NAME = "vllm.vllm_ptd"
+
 # The Triton kernels live in the repository's top-level ``kernels/`` folder and are installed
 # as ``vllm_ptd.kernels`` (setup.py's package_dir). Wheels and PEP 660 editable installs map
 # the name themselves; a legacy ``setup.py develop`` install (an egg-link: the repository

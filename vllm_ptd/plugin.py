@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import os
 
-logger = logging.getLogger("vllm_ptd")
+from vllm_ptd import LOGGER_NAME
+
+logger = logging.getLogger(LOGGER_NAME)
 
 _registered = False
 

@@ -16,6 +16,7 @@ import os
 
 from vllm.engine.arg_utils import EngineArgs
 
+from vllm_ptd import LOGGER_NAME
 from vllm_ptd.config import parse_speculative_config
 from vllm_ptd.integration.patching import Patch
 from vllm_ptd.methods import find_method, method_names
@@ -23,7 +24,7 @@ from vllm_ptd.methods import find_method, method_names
 PROPOSER_CLASS = "vllm_ptd.integration.proposer.TreeProposer"
 ADDITIONAL_CONFIG_KEY = "vllm_ptd"
 
-logger = logging.getLogger("vllm_ptd")
+logger = logging.getLogger(LOGGER_NAME)
 
 
 def _device_kind() -> str:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 from typing import Any, ClassVar
 
-logger = logging.getLogger("vllm_ptd")
+from vllm_ptd import LOGGER_NAME
+
+logger = logging.getLogger(LOGGER_NAME)
 
 _SKIP = {"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "target",
          "__annotations__", "__static_attributes__", "__firstlineno__", "__orig_bases__",

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vllm_ptd import LOGGER_NAME
 from vllm_ptd.budget import (REALIZED_MARGIN, AcceptanceModel, StepCostModel, TreeBudget,
                              makespan_lead, makespan_weights)
 from vllm_ptd.integration.kv_stash import bind_tree_attention
@@ -43,7 +44,7 @@ from vllm_ptd.metrics import SpecMetrics
 from vllm_ptd.tree import FlatTree
 from vllm_ptd.verify import greedy_walk, row_argmax, sampling_walk, target_probs
 
-logger = logging.getLogger("vllm_ptd")
+logger = logging.getLogger(LOGGER_NAME)
 
 GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 # the tree of a request that ran without one (shared: outcomes only read it)
