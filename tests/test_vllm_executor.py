@@ -9,7 +9,7 @@ its worker; a tiny random model (fp32, eager) repeats itself, so PTD's trees are
 from __future__ import annotations
 
 import pytest
-from engine_utils import counters, in_process_engines, shutdown
+from engine_utils import counters, first_divergence, in_process_engines, shutdown
 
 pytest.importorskip("vllm")
 
@@ -58,7 +58,7 @@ def test_drafts_come_back_with_the_sampled_tokens(small_model):
         got, sent, count, _ = _generate(small_model, {"method": "ptd", "budget": "fixed"})
     assert kind.__name__ == "MultiprocExecutor"
     for i, (g, p) in enumerate(zip(got, plain)):
-        assert g == p, f"prompt {i}: first divergence at {next(k for k, (x, y) in enumerate(zip(g, p)) if x != y)}"
+        assert g == p, f"prompt {i}: first divergence at token {first_divergence(g, p)}"
     steps = sent.count("sample_tokens")
     assert steps > 10
     # the drafts reached the scheduler (accepted tokens counted) without a call of their own

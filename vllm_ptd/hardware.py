@@ -21,8 +21,8 @@ def cpu_description(cpuinfo: str | None = None) -> str | None:
     """The processor's model name and which of ``MATMUL_FLAGS`` it has, e.g. ``"Intel(R)
     Xeon(R) Processor (avx2 avx512f avx512_bf16 amx_bf16)"``: what a benchmark's figures
     depend on (this project's VMs have had AMD processors with AVX2 only and with
-    AVX512-BF16, and Intel ones with AMX, whose row costs differ), kept with them. ``cpuinfo``: that file's text (default: read it);
-    None where it cannot be read."""
+    AVX512-BF16, and Intel ones with AMX, whose row costs differ), kept with them.
+    ``cpuinfo``: that file's text (default: read it); None where it cannot be read."""
     text = cpuinfo
     if text is None:
         try:

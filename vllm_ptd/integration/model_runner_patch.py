@@ -123,7 +123,8 @@ class GPUModelRunnerPatch(Patch):
             proposer.channel.close()
 
     def sample_tokens(self, grammar_output, *args, **kwargs):
-        output = GPUModelRunnerPatch.original("sample_tokens")(self, grammar_output, *args, **kwargs)
+        output = GPUModelRunnerPatch.original("sample_tokens")(self, grammar_output, *args,
+                                                               **kwargs)
         # the step's trees ride back with its sampled tokens (executor_patch: one call to a
         # worker process a step instead of two); only to vLLM's multiprocess executor, the
         # one that takes them off (another asks for them as before, and building them here

@@ -47,8 +47,8 @@ class StepClock:
         accepted), draft_depth and draft_branching (how deep and wide the step's proposal
         drafted: ``set_draft_shape``), paused_ms (the part of its drafting spent on rows a
         pause held: ``set_paused``), wall_ms, idle_ms (the engine's wait before the next
-        step, left out of wall_ms), predicted_ms (the budget's estimate of wall less drafting, 0 without one) and one
-        ``<part>_ms`` per part."""
+        step, left out of wall_ms), predicted_ms (the budget's estimate of wall less
+        drafting, 0 without one) and one ``<part>_ms`` per part."""
         now = time.perf_counter()
         record = None
         if self._start is not None:
