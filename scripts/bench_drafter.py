@@ -4,7 +4,8 @@
 with the rows of the steps since the last one), the block (backbone and output projection
 over the block) and the tree expansion, for --requests requests drafting together with
 contexts of random target rows, in torch's GEMM, in vLLM's prepacked CPU GEMM (fp32 and
-bf16) and in its int8 GEMM (``drafter_gemm: "int8"``, the rest in bf16), over the drafter's
+bf16, where the CPU has bf16 units) and in its int8 GEMM (``drafter_gemm: "int8"``, the
+rest in the dtype an engine would give the drafter), over the drafter's
 draft vocabulary and over all words; the vLLM variants also take vLLM's RMS norm op, as in
 an engine. --depth cuts the block to that many rows and the expansion to as many stages
 (what the budget asks for at a batch size: ``TreeBudget.draft_depth``). Prints the median
@@ -56,6 +57,7 @@ def main() -> int:
 
     import torch
 
+    from vllm_ptd.hardware import cpu_has_fast_bf16
     from vllm_ptd.integration.proposer import (engine_int8_linear_kernel, engine_linear_kernel,
                                                engine_rms_norm_kernel)
     from vllm_ptd.model_store import ensure_default_model
@@ -81,9 +83,14 @@ def main() -> int:
     kernel = engine_linear_kernel(torch.device("cpu"))
     int8_kernel = engine_int8_linear_kernel(torch.device("cpu"))
     norm_kernel = engine_rms_norm_kernel(torch.device("cpu"))
+    # the int8 variant in the dtype an engine gives the drafter beside it (``drafter_dtype:
+    # "auto"``); vLLM's bf16 GEMM cannot be built on a CPU without bf16 units (oneDNN has no
+    # primitive for it there)
+    fast_bf16 = cpu_has_fast_bf16()
+    auto = torch.bfloat16 if fast_bf16 else torch.float32
     variants = [("torch", None, torch.float32), ("vLLM oneDNN", kernel, torch.float32),
-                ("vLLM oneDNN", kernel, torch.bfloat16),
-                ("vLLM oneDNN int8", int8_kernel, torch.bfloat16)]
+                ("vLLM oneDNN", kernel if fast_bf16 else None, torch.bfloat16),
+                ("vLLM oneDNN int8", int8_kernel, auto)]
     sizes = [None if v.strip() == "default" else int(v) for v in args.draft_vocab.split(",")]
     counts = [int(v) for v in args.requests.split(",")]
     colds = [int(v) for v in args.cold_mib.split(",")]
@@ -97,7 +104,8 @@ def main() -> int:
             (d, v, s) for d in drafters for v in variants for s in sizes):
         label = drafter or "default"
         if make is None and name != "torch":
-            print(f"| {label} | {name} | {dtype} | — | — | — | — | — | — | not available |")
+            print(f"| {label} | {name} | {str(dtype).replace('torch.', '')} | — | — | — | — | — "
+                  f"| — | not available here |")
             continue
         m = PCTreeMethod(PCTreeConfig(model=drafter, draft_vocab=size), target, dtype=dtype,
                          linear_kernel=make, norm_kernel=None if make is None else norm_kernel)

@@ -1,7 +1,10 @@
 """PTDConfig / PCTreeConfig / parse_speculative_config / the method registry: defaults and
 refusals."""
+import logging
+
 import pytest
 
+from vllm_ptd import LOGGER_NAME
 from vllm_ptd.budget import REALIZED_MARGIN
 from vllm_ptd.config import MethodConfig, parse_speculative_config
 from vllm_ptd.methods import find_method, method_names
@@ -107,17 +110,35 @@ def test_pctree_drafter_dtype(monkeypatch):
     assert c.drafter_torch_dtype(torch.float32, "cpu") == torch.float32
 
 
-def test_pctree_drafter_gemm():
-    """"auto" takes the engine's int8 GEMM where it has one, "float" never does, and "int8"
-    where the engine has none is refused naming the key."""
+def test_pctree_drafter_gemm(monkeypatch):
+    """"auto" takes the engine's int8 GEMM where it has one and the CPU has int8 dot-product
+    units, "float" never does, "int8" always, and "int8" where the engine has none is
+    refused naming the key."""
+    from vllm_ptd.pctree import config as pctree_config
+
     def float_gemm(w, b):
         return None
 
     def int8_gemm(w, b):
         return None
 
+    monkeypatch.setattr(pctree_config, "cpu_has_fast_int8", lambda: True)
     assert PCTreeConfig().drafter_linear_kernel(float_gemm, int8_gemm) is int8_gemm
     assert PCTreeConfig().drafter_linear_kernel(float_gemm, None) is float_gemm
+    monkeypatch.setattr(pctree_config, "cpu_has_fast_int8", lambda: False)  # AVX2 only
+    assert PCTreeConfig().drafter_linear_kernel(float_gemm, int8_gemm) is float_gemm
+    said: list[logging.LogRecord] = []  # on the plugin's logger itself: vLLM's "vllm"
+    handler = logging.Handler()           # logger may not pass records up to the root
+    handler.emit = said.append
+    logging.getLogger(LOGGER_NAME).addHandler(handler)
+    try:  # asked for: kept, and said
+        assert PCTreeConfig(drafter_gemm="int8").drafter_linear_kernel(
+            float_gemm, int8_gemm) is int8_gemm
+    finally:
+        logging.getLogger(LOGGER_NAME).removeHandler(handler)
+    assert any("'drafter_gemm'] = 'int8' on a CPU without int8 dot-product units"
+               in r.getMessage() and r.levelno == logging.WARNING for r in said)
+    monkeypatch.setattr(pctree_config, "cpu_has_fast_int8", lambda: True)
     assert PCTreeConfig(drafter_gemm="float").drafter_linear_kernel(float_gemm, int8_gemm) is float_gemm
     assert PCTreeConfig(drafter_gemm="int8").drafter_linear_kernel(float_gemm, int8_gemm) is int8_gemm
     with pytest.raises(ValueError, match=r"'drafter_gemm'\] = 'int8' needs"):

@@ -107,6 +107,17 @@ def test_trace_reader_splits_request_and_step_records(tmp_path):
     assert t["steps"] == 1 and t["other"] == 40.0 - 30.0 - 1.0 - 3.0 - 0.5
 
 
+def test_fast_bf16_and_int8_are_read_off_the_flags(monkeypatch):
+    from vllm_ptd import hardware
+
+    for flags, bf16, int8 in (({"avx2"}, False, False),  # AMD EPYC, AVX2 only
+                              ({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}, True, True),
+                              ({"avx2", "avx_vnni"}, False, True),
+                              ({"avx2", "amx_bf16", "amx_int8"}, True, True)):
+        monkeypatch.setattr(hardware, "cpu_flags", lambda flags=flags: flags)
+        assert (hardware.cpu_has_fast_bf16(), hardware.cpu_has_fast_int8()) == (bf16, int8)
+
+
 def test_cpu_description_names_the_processor_and_its_matmul_extensions():
     from vllm_ptd.hardware import cpu_description
 
@@ -115,6 +126,8 @@ def test_cpu_description_names_the_processor_and_its_matmul_extensions():
             "flags\t\t: fpu sse avx2 avx512f avx512_bf16 sha_ni\n")
     assert cpu_description(info) == "AMD EPYC 9R14 (avx2 avx512f avx512_bf16)"
     assert cpu_description("model name\t: Old\nflags\t: fpu sse\n") == "Old"
+    assert cpu_description("model name\t: X\nflags\t: avx2 avx512f avx512_vnni amx_int8 "
+                           "amx_bf16\n") == "X (avx2 avx512f avx512_vnni amx_bf16 amx_int8)"
     assert host.host_info()["cpu"] == cpu_description()
 
 

@@ -2,13 +2,15 @@
 once: the modes, chain = branching 1, and the bound on a tree's node count."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from vllm_ptd import LOGGER_NAME
 from vllm_ptd.config import BUDGET_MODES, check_choice, check_int
-from vllm_ptd.hardware import cpu_has_fast_bf16
+from vllm_ptd.hardware import cpu_has_fast_bf16, cpu_has_fast_int8
 
 MODES = ("pctree", "shared", "chain")
 DEFAULT_BRANCHING = 4
@@ -91,14 +93,24 @@ class PCTreeConfig:
     def drafter_linear_kernel(self, float_kernel, int8_kernel):
         """The GEMM factory the drafter's linear layers run on (None: torch's): ``"float"``
         the engine's GEMM in the drafter's dtype, ``"int8"`` the engine's int8 GEMM (an
-        error where the engine has none), ``"auto"`` int8 where the engine has it. Like
-        the dtype, this only changes the drafts, never the output."""
+        error where the engine has none), ``"auto"`` int8 where the engine has it and the
+        CPU has int8 dot-product units (``cpu_has_fast_int8``: without them the int8 GEMM
+        is slower than the float one). Like the dtype, this only changes the drafts, never
+        the output."""
         if self.drafter_gemm == "int8" and int8_kernel is None:
             raise ValueError("speculative_config['drafter_gemm'] = 'int8' needs vLLM's int8 "
                              "CPU GEMM (oneDNN), which this engine does not have; use 'float'")
-        if self.drafter_gemm == "float":
-            return float_kernel
-        return int8_kernel if int8_kernel is not None else float_kernel
+        fast = cpu_has_fast_int8()
+        if self.drafter_gemm == "int8" and not fast:
+            logging.getLogger(LOGGER_NAME).warning(
+                "vllm-ptd pctree: speculative_config['drafter_gemm'] = 'int8' on a CPU "
+                "without int8 dot-product units (AVX512-VNNI, AVX-VNNI, AMX-INT8): its "
+                "drafter runs slower and drafts worse than with 'float' (the output is "
+                "unchanged)")
+        if self.drafter_gemm == "int8" or (
+                self.drafter_gemm == "auto" and int8_kernel is not None and fast):
+            return int8_kernel
+        return float_kernel
 
     @property
     def is_resolved(self) -> bool:
