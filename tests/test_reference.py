@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vllm_ptd.ptd.config import PTDConfig
+from vllm_ptd.bench.near_ties import first_divergence
 from vllm_ptd.datasets import chat_prompt_ids, load_prompts
 from vllm_ptd.metrics import SpecMetrics
 from vllm_ptd.ptd.method import PTDMethod
@@ -44,10 +45,6 @@ def run_both(engine, prompts, max_new):
     plain = [engine.generate(p, max_new) for p in prompts]
     spec = [engine.generate(p, max_new, ptd_method(engine)) for p in prompts]
     return plain, spec
-
-
-def first_divergence(a, b):
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 @pytest.mark.timeout(1800)  # about 3 CPU-minutes: a busy shared machine may need more
