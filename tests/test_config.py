@@ -108,6 +108,8 @@ def test_pctree_drafter_dtype(monkeypatch):
     assert c.drafter_torch_dtype(torch.float32, "cuda") == torch.float32  # the engine's elsewhere
     monkeypatch.setattr(pctree_config, "cpu_has_fast_bf16", lambda: False)
     assert c.drafter_torch_dtype(torch.float32, "cpu") == torch.float32
+    assert c.drafter_torch_dtype(torch.bfloat16, "cpu") == torch.float32  # AVX2 only
+    assert c.drafter_torch_dtype(torch.bfloat16, "cuda") == torch.bfloat16
 
 
 def test_pctree_drafter_gemm(monkeypatch):

@@ -880,6 +880,27 @@ def test_engine_linear_kernel_keeps_drafts_and_parameter_names(kind):
     assert outs[1][2] == outs[0][2]
 
 
+def test_engine_linear_kernel_runs_every_dtype_this_cpu_has():
+    """A bf16 weight gets a GEMM on any CPU: oneDNN's where it builds one, torch's where it
+    does not (a CPU without bf16 units, where it stopped a bf16 PCTree engine at start)."""
+    pytest.importorskip("vllm")
+    from vllm_ptd.integration.proposer import engine_linear_kernel
+
+    make = engine_linear_kernel(torch.device("cpu"))
+    if make is None:
+        pytest.skip("this vLLM build has no oneDNN GEMM")
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(48, 32, generator=g).to(dtype)
+        b = torch.randn(48, generator=g).to(dtype)
+        run = make(w, b)
+        x = torch.randn(5, 32, generator=g).to(dtype)
+        y = run(x)
+        assert y.dtype == dtype and y.shape == (5, 48)
+        ref = x.float() @ w.float().t() + b.float()
+        assert float((y.float() - ref).norm() / ref.norm()) < 0.02
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_linear_kernel_is_close_to_the_float_layer(dtype):
     """vLLM's int8 CPU GEMM (``drafter_gemm``): each layer's output within a few per cent of

@@ -209,13 +209,21 @@ def engine_linear_kernel(device: torch.device):
     """The GEMM vLLM runs the target's linear layers with, for a method's own layers: on CPU,
     vLLM's oneDNN GEMM over a weight prepacked once (``ops.create_onednn_mm``; torch's CPU
     GEMM is several times slower at a drafter block's few rows); elsewhere None (torch's,
-    i.e. cuBLAS). Each prepared weight is a copy held by the method."""
+    i.e. cuBLAS). Each prepared weight is a copy held by the method. A weight whose GEMM
+    oneDNN cannot build here runs on torch's: bf16 on a CPU without bf16 units (an AVX2-only
+    AMD EPYC: "could not create a primitive descriptor for the matmul primitive"), which
+    stopped a bf16 PCTree engine at start there."""
     ops = _cpu_onednn_ops(device)
     if ops is None:
         return None
 
     def make(weight: torch.Tensor, bias: torch.Tensor | None):
-        handler = ops.create_onednn_mm(weight.t(), 32)
+        try:
+            handler = ops.create_onednn_mm(weight.t(), 32)
+        except RuntimeError:
+            w = weight.detach().clone()
+            b = None if bias is None else bias.detach().clone()
+            return lambda x: torch.nn.functional.linear(x, w, b)
         return lambda x: ops.onednn_mm(handler, x, bias)
 
     return make

@@ -81,13 +81,15 @@ class PCTreeConfig:
 
     def drafter_torch_dtype(self, engine_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
         """The drafter's dtype. Drafts only choose what is verified, so the drafter's precision
-        never changes the output; "auto" runs it in bf16 on a CPU with bf16 units (its
-        block's GEMMs take about half the time of fp32 there) and in the engine's dtype
-        elsewhere (bf16 without those units is several times slower than fp32)."""
+        never changes the output; "auto" runs it on a CPU in bf16 where the CPU has bf16
+        units (its block's GEMMs take about half the time of fp32 there) and in fp32 where
+        it has not, whatever the engine's dtype (bf16 without those units is several times
+        slower than fp32, and vLLM's oneDNN GEMM is not built for it there), and elsewhere
+        in the engine's dtype."""
         if self.drafter_dtype != "auto":
             return getattr(torch, self.drafter_dtype)
-        if torch.device(device).type == "cpu" and cpu_has_fast_bf16():
-            return torch.bfloat16
+        if torch.device(device).type == "cpu":
+            return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
         return engine_dtype
 
     def drafter_linear_kernel(self, float_kernel, int8_kernel):
