@@ -4,17 +4,27 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def cpu_flags() -> set[str]:
-    """The processor's feature flags (empty where /proc/cpuinfo cannot be read)."""
+def _cpuinfo() -> str | None:
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
-    for line in text.splitlines():
+        return None
+
+
+def _first(cpuinfo: str, field: str) -> str | None:
+    """The value of the first ``field`` line of /proc/cpuinfo's text (the first core's)."""
+    for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return set(value.split())
-    return set()
+        if key.strip() == field:
+            return value.strip()
+    return None
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The processor's feature flags (``cpuinfo``: /proc/cpuinfo's text, default: read it;
+    empty where it cannot be read)."""
+    text = _cpuinfo() if cpuinfo is None else cpuinfo
+    return set((_first(text, "flags") or "").split()) if text else set()
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -41,18 +51,10 @@ def cpu_description(cpuinfo: str | None = None) -> str | None:
     depend on (this project's VMs have had AMD processors with AVX2 only and with
     AVX512-BF16, and Intel ones with AMX, whose row costs differ), kept with them.
     ``cpuinfo``: that file's text (default: read it); None where it cannot be read."""
-    text = cpuinfo
+    text = _cpuinfo() if cpuinfo is None else cpuinfo
     if text is None:
-        try:
-            text = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return None
-    name, flags = "unknown processor", set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and name == "unknown processor":
-            name = value.strip()
-        elif key.strip() == "flags" and not flags:
-            flags = set(value.split())
+        return None
+    name = _first(text, "model name") or "unknown processor"
+    flags = cpu_flags(text)
     have = " ".join(f for f in MATMUL_FLAGS if f in flags)
     return f"{name} ({have})" if have else name
