@@ -289,20 +289,35 @@ def test_tree_budget_cuts_trees_and_pauses_drafting_that_does_not_pay():
     (cut,) = budget.size(["r"], [tree], base_rows=1, num_requests=1)
     assert cut.tokens == [1, 2] and cut.num_verify == 2
     hopeless = FlatTree([1], [-1], scores=[0.01], groups=[0])
-    for _ in range(TreeBudget.MISSES):
-        assert budget.should_draft()
-        (none,) = budget.size(["r"], [hopeless], base_rows=1, num_requests=1)
-        assert none.num_nodes == 0
-    paused = 0
-    while not budget.should_draft():
-        paused += 1
-    assert paused == 1  # the first pause is one step, the next ones double
-    for _ in range(TreeBudget.MISSES):
-        budget.size(["r"], [hopeless], 1, 1)
-    paused = 0
-    while not budget.should_draft():
-        paused += 1
-    assert paused == 2
+    sure = FlatTree([1], [-1], scores=[0.95], groups=[0])
+
+    def misses_then_pause(budget, tree) -> int:
+        for _ in range(TreeBudget.MISSES):
+            assert budget.should_draft()
+            budget.size(["r"], [tree], base_rows=1, num_requests=1)
+            assert budget.last.pays is False or not budget.realized.pays(1, 50.0)
+        paused = 0
+        while not budget.should_draft():
+            paused += 1
+        return paused
+
+    # proposals that find nothing worth sending cost their drafting alone (nothing here):
+    # cheap drafting looks again at every step, however many such misses come in a row
+    for _ in range(5):
+        assert misses_then_pause(budget, hopeless) == 0
+    # trees that go out and do not pay (here: what drafting brought, measured, falls short
+    # of its cost, so each proposal is a miss though its tree is sent) back off: the first
+    # pause is one step, the next ones double
+    budget.realized.observe_drafting(1, 1000.0)
+    assert not budget.realized.pays(1, 50.0)
+    assert misses_then_pause(budget, sure) == 1
+    assert misses_then_pause(budget, sure) == 2
+    # ``miss_backoff`` "all", the budget before it: every miss counts
+    every = TreeBudget(cost, miss_backoff="all")
+    assert misses_then_pause(every, hopeless) == 1
+    assert misses_then_pause(every, hopeless) == 2
+    with pytest.raises(ValueError, match="miss_backoff"):
+        TreeBudget(cost, miss_backoff="some")
 
 
 def test_host_time_per_tree_is_learnt_and_charged(tmp_path):
@@ -373,7 +388,7 @@ def test_expensive_drafting_that_fails_is_paused_to_a_small_share_of_the_time():
     # (the prior's weight keeps about one try in ten counted as a hit at the end)
     assert pauses[0] < 0.8 * full and 0.85 * least <= pauses[-1] <= least
     assert pauses == sorted(pauses)  # each miss makes the next try less worth its cost
-    # cheap drafting is tried again at once (until MISSES misses in a row)
+    # cheap drafting is tried again at once
     budget = TreeBudget(cost)
     budget.size(["r"], [hopeless], base_rows=1, num_requests=1, drafting_ms=0.2)
     assert budget.should_draft()

@@ -172,6 +172,8 @@ def test_parse_splits_ours_from_vllms():
     assert mc.realized_margin == REALIZED_MARGIN
     assert parse_speculative_config({"method": "ptd", "realized_margin": None}).realized_margin is None
     assert parse_speculative_config({"method": "ptd", "realized_margin": 0}).realized_margin == 0.0
+    assert mc.miss_backoff == "trees"
+    assert parse_speculative_config({"method": "pctree", "miss_backoff": "all"}).miss_backoff == "all"
 
 
 @pytest.mark.parametrize("cfg,pattern", [
@@ -183,6 +185,7 @@ def test_parse_splits_ours_from_vllms():
     ({"method": "pctree", "request_calibration": 1}, r"'request_calibration'.*true or false"),
     ({"method": "ptd", "realized_margin": -0.1}, r"'realized_margin'.*number in \[0.0, 10.0\]"),
     ({"method": "ptd", "realized_margin": "high"}, r"'realized_margin'.*number"),
+    ({"method": "ptd", "miss_backoff": "none"}, r"'miss_backoff'\] = 'none'.*\['trees', 'all'\]"),
     ({"width": 4}, r"'method'"),
     ({"method": "ptd", "num_speculative_tokens": 0}, r"'num_speculative_tokens'.*\[1, 4096\]"),
 ])

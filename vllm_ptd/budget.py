@@ -52,6 +52,10 @@ MARGIN = 0.03
 # drafting goes on at a batch size only while the milliseconds its accepted tokens saved
 # there, measured, beat what drafting and the tree rows cost by this share (RealizedGain)
 REALIZED_MARGIN = 0.3
+# which misses lengthen TreeBudget's backoff: "trees", the proposals whose trees went out
+# and did not pay (the default); "all", every proposal that did not pay, a proposal that
+# found nothing worth sending included (the budget before ``miss_backoff``)
+MISS_BACKOFFS = ("trees", "all")
 # bins of a method's own conditional score (the probability it gives a node given its parent)
 SCORE_BINS = (0.1, 0.25, 0.5, 0.75, 0.9)
 # engine-wide evidence (acceptance counts, calibration sums) fades by a factor e over this
@@ -881,8 +885,15 @@ class TreeBudget:
       of the time counting its misses they were still most of it (17 tries of a median
       55 ms in three rounds, none followed by a tree), while 1.5 % regardless of its hits
       (with a margin on ``pays``) held its chain at batch 1 to 1.20x from 1.37x;
-    * after ``MISSES`` misses in a row drafting also pauses for 2, 4, ... up to
-      ``MAX_PAUSE`` steps;
+    * after ``MISSES`` misses whose trees went out with no paying proposal between them,
+      drafting also pauses for 2, 4, ... up to ``MAX_PAUSE`` steps (with ``miss_backoff``
+      "all", after any ``MISSES`` misses in a row). Why only those: a proposal that found
+      nothing worth sending cost its drafting alone, which the pause above already prices,
+      while a pause blinds the method to what the next steps would match. Counting them,
+      PTD on an AVX2-only CPU (a row 12 % of a step at batch 1) sat paused in 18 % of its
+      decode steps at batch 1 (``docs/results/avx2_fp32_b1_f6b07fb``): after four steps
+      without a match worth its rows it looked again only after 2, 4, ... 64 steps, where
+      vLLM's ngram looks at every step;
     * a proposal counts as a miss, whatever its estimate, while what drafting brought at
       this batch size, measured, does not beat what it cost by ``REALIZED_MARGIN``
       (``RealizedGain``): its trees still go out, and show whether that has changed.
@@ -900,8 +911,12 @@ class TreeBudget:
     REACH_FADE = 0.125
 
     def __init__(self, cost: StepCostModel, acceptance: AcceptanceModel | None = None,
-                 realized_margin: float | None = REALIZED_MARGIN) -> None:
+                 realized_margin: float | None = REALIZED_MARGIN,
+                 miss_backoff: str = MISS_BACKOFFS[0]) -> None:
+        if miss_backoff not in MISS_BACKOFFS:
+            raise ValueError(f"miss_backoff {miss_backoff!r}: allowed {list(MISS_BACKOFFS)}")
         self.cost = cost
+        self.miss_backoff = miss_backoff
         self.clock = EngineClock()  # one clock: both models' evidence fades with the same steps
         self.acceptance = acceptance or AcceptanceModel()
         self.acceptance.clock = self.clock
@@ -967,12 +982,15 @@ class TreeBudget:
         self._tries[bucket] = [hits, tries]
         return (hits + self.PRIOR_TRIES / 2) / (tries + self.PRIOR_TRIES)
 
-    def _missed(self, try_ms: float, base_rows: int, num_requests: int) -> None:
+    def _missed(self, try_ms: float, base_rows: int, num_requests: int, sent: bool) -> None:
+        """A try that did not pay (``sent``: its trees went out all the same)."""
         plain_ms = max(self.cost.step_ms(base_rows, requests=num_requests), 1e-6)
         hit_rate = self._tried(num_requests, paid=False)
         # the full share while half the tries or more pay (as the prior has it), less below
         share = self.EXPLORE_SHARE * max(self.MIN_EXPLORE, min(1.0, hit_rate / 0.5))
         self._skip = max(0, math.ceil((1.0 - hit_rate) * try_ms / (share * plain_ms)) - 1)
+        if not sent and self.miss_backoff == "trees":
+            return
         self._misses += 1
         if self._misses >= self.MISSES:
             self._misses = 0
@@ -1021,7 +1039,8 @@ class TreeBudget:
             # pays them again, so each isolated try costs them (at 16 requests here a try's
             # catch-up was more than half of its 25-30 ms, and pauses priced without it let
             # tries run every 14-39 steps, 1.3 % of the time, where none paid)
-            self._missed(drafting_ms + catch_up_ms, base_rows, num_requests)
+            sent = any(alloc.verify) or any(alloc.draft)
+            self._missed(drafting_ms + catch_up_ms, base_rows, num_requests, sent)
         return [t.select(v, d) for t, v, d in zip(trees, alloc.verify, alloc.draft)]
 
     def observe(self, req_id: str, tree: FlatTree, accepted: list[int]) -> None:

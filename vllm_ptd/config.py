@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from vllm_ptd.budget import REALIZED_MARGIN
+from vllm_ptd.budget import MISS_BACKOFFS, REALIZED_MARGIN
 
 # Keys of vLLM's own speculative config that may sit beside ours in the same dict.
 VLLM_PASSTHROUGH_KEYS = ("method", "num_speculative_tokens")
 # Keys every tree method takes, handled by the integration rather than the method.
-ENGINE_KEYS = ("disable_by_batch_size", "request_calibration", "realized_margin")
+ENGINE_KEYS = ("disable_by_batch_size", "request_calibration", "realized_margin", "miss_backoff")
 # Every method config's ``budget`` key: "auto" sizes each step's trees with the measured cost
 # model (vllm_ptd.budget), for tokens per ms while the scheduler has requests waiting and for
 # the batch's end (its critical path) when it has none; "per_step" for tokens per ms always;
@@ -64,6 +64,9 @@ class MethodConfig:
     # what drafting and their rows cost by this share (``budget.RealizedGain``); None: no
     # such check, the estimates alone decide
     realized_margin: float | None = REALIZED_MARGIN
+    # which misses lengthen the budget's backoff (``budget.TreeBudget``): "trees", only the
+    # proposals whose trees went out and did not pay; "all", every proposal that did not pay
+    miss_backoff: str = MISS_BACKOFFS[0]
 
 
 def parse_speculative_config(cfg: dict) -> MethodConfig:
@@ -98,6 +101,8 @@ def parse_speculative_config(cfg: dict) -> MethodConfig:
     realized_margin = extra.pop("realized_margin", REALIZED_MARGIN)
     if realized_margin is not None:
         realized_margin = check_number("realized_margin", realized_margin, 0.0, 10.0)
+    miss_backoff = check_choice("miss_backoff", extra.pop("miss_backoff", MISS_BACKOFFS[0]),
+                                MISS_BACKOFFS)
     return MethodConfig(method=method, options=cls(**opts), num_speculative_tokens=nst,
                         disable_by_batch_size=dbs, request_calibration=request_calibration,
-                        realized_margin=realized_margin)
+                        realized_margin=realized_margin, miss_backoff=miss_backoff)

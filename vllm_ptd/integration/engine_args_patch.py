@@ -53,7 +53,8 @@ def rewrite_speculative_config(spec: dict, device: str, target_config) -> tuple[
     ours = {"method": parsed.method, "options": dataclasses.asdict(opts),
             "disable_by_batch_size": parsed.disable_by_batch_size,
             "request_calibration": parsed.request_calibration,
-            "realized_margin": parsed.realized_margin}
+            "realized_margin": parsed.realized_margin,
+            "miss_backoff": parsed.miss_backoff}
     return vllm_spec, ours
 
 

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from vllm_ptd import LOGGER_NAME
-from vllm_ptd.budget import (REALIZED_MARGIN, AcceptanceModel, StepCostModel, TreeBudget,
-                             makespan_lead, makespan_weights)
+from vllm_ptd.budget import (MISS_BACKOFFS, REALIZED_MARGIN, AcceptanceModel, StepCostModel,
+                             TreeBudget, makespan_lead, makespan_weights)
 from vllm_ptd.integration.kv_stash import bind_tree_attention
 from vllm_ptd.integration.step_clock import StepClock
 from vllm_ptd.integration.step import StepChannel, TreeStep, build_step
@@ -301,6 +301,7 @@ class TreeProposer:
         self.disable_by_batch_size: int | None = entry.get("disable_by_batch_size")
         self.request_calibration: bool = entry.get("request_calibration", True)
         self.realized_margin: float | None = entry.get("realized_margin", REALIZED_MARGIN)
+        self.miss_backoff: str = entry.get("miss_backoff", MISS_BACKOFFS[0])
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
         self.max_model_len = vllm_config.model_config.max_model_len
@@ -353,7 +354,7 @@ class TreeProposer:
                 StepCostModel(PRIOR_ROW_SLOPE[kind],
                               cost_cache_path(self.vllm_config, kind, self.kind)),
                 AcceptanceModel(request_calibration=self.request_calibration),
-                realized_margin=self.realized_margin)
+                realized_margin=self.realized_margin, miss_backoff=self.miss_backoff)
 
     def load_model(self, target_model) -> None:
         """vLLM's runners (CPU and GPU alike) call this after loading the target."""
