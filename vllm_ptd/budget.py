@@ -1042,7 +1042,7 @@ class TreeBudget:
             # pays them again, so each isolated try costs them (at 16 requests here a try's
             # catch-up was more than half of its 25-30 ms, and pauses priced without it let
             # tries run every 14-39 steps, 1.3 % of the time, where none paid)
-            sent = any(alloc.verify) or any(alloc.draft)
+            sent = alloc.rows > base_rows  # some node or draft row kept
             self._missed(drafting_ms + catch_up_ms, base_rows, num_requests, sent)
         return [t.select(v, d) for t, v, d in zip(trees, alloc.verify, alloc.draft)]
 

@@ -17,7 +17,7 @@ import os
 from vllm.engine.arg_utils import EngineArgs
 
 from vllm_ptd import LOGGER_NAME
-from vllm_ptd.config import parse_speculative_config
+from vllm_ptd.config import ENGINE_KEYS, parse_speculative_config
 from vllm_ptd.integration.patching import Patch
 from vllm_ptd.methods import find_method, method_names
 
@@ -51,10 +51,7 @@ def rewrite_speculative_config(spec: dict, device: str, target_config) -> tuple[
             f"tree ({tree_nodes} nodes); leave it out, it is derived from the tree budgets")
     vllm_spec = {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": k}
     ours = {"method": parsed.method, "options": dataclasses.asdict(opts),
-            "disable_by_batch_size": parsed.disable_by_batch_size,
-            "request_calibration": parsed.request_calibration,
-            "realized_margin": parsed.realized_margin,
-            "miss_backoff": parsed.miss_backoff}
+            **{key: getattr(parsed, key) for key in ENGINE_KEYS}}
     return vllm_spec, ours
 
 
